@@ -1,0 +1,276 @@
+"""Pure-torch reference of every specrt op: the test oracle and the CPU fallback.
+
+Each function here is the *specification* of the op of the same name in
+:mod:`specrt.ops` (DESIGN.md section 2). The random numbers are computed with
+the same Philox4x32-10 counter layout and the same float32 operation sequence
+as ``csrc/include/specrt/{philox,sampling}.h``, so the compiled kernels return
+*identical tokens* for identical inputs; probabilities from
+:func:`probs_from_logits` agree to float rounding (``exp`` and reduction order
+differ between libraries).
+
+Nothing here is fast; the point is to be obviously right.
+"""
+from __future__ import annotations
+
+import torch
+
+PURPOSE_DRAFT = 1
+PURPOSE_ACCEPT = 2
+PURPOSE_RESIDUAL = 3
+PURPOSE_TARGET = 4
+PURPOSES = {"draft": PURPOSE_DRAFT, "accept": PURPOSE_ACCEPT, "residual": PURPOSE_RESIDUAL,
+            "target": PURPOSE_TARGET}
+
+_M32 = 0xFFFFFFFF
+_PHILOX_M0 = 0xD2511F53
+_PHILOX_M1 = 0xCD9E8D57
+_PHILOX_W0 = 0x9E3779B9
+_PHILOX_W1 = 0xBB67AE85
+
+
+# --------------------------------------------------------------------------- #
+# Philox4x32-10 on int64 tensors holding uint32 values
+# --------------------------------------------------------------------------- #
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of a * b, a a uint32 constant, b uint32 in int64."""
+    b_lo = b & 0xFFFF
+    b_hi = b >> 16
+    t1 = a * b_lo                      # < 2^48
+    t2 = a * b_hi                      # < 2^48
+    s = t1 + ((t2 & 0xFFFF) << 16)     # < 2^49
+    lo = s & _M32
+    hi = ((t2 >> 16) + (s >> 32)) & _M32
+    return hi, lo
+
+
+def philox4x32_10(ctr: list[torch.Tensor], key0: torch.Tensor, key1: torch.Tensor) -> list[torch.Tensor]:
+    """Philox4x32-10 of broadcastable int64 tensors holding uint32 words."""
+    c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _M32 for c in ctr)
+    k0 = torch.as_tensor(key0, dtype=torch.int64) & _M32
+    k1 = torch.as_tensor(key1, dtype=torch.int64) & _M32
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(_PHILOX_M0, c0)
+        hi1, lo1 = _mulhilo32(_PHILOX_M1, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = (k0 + _PHILOX_W0) & _M32
+        k1 = (k1 + _PHILOX_W1) & _M32
+    return [c0, c1, c2, c3]
+
+
+def random_bits(seeds: torch.Tensor, positions: torch.Tensor, purpose: int,
+                index: torch.Tensor) -> torch.Tensor:
+    """uint32 (in int64) for (seed, position, purpose, index), broadcast together."""
+    seeds = torch.as_tensor(seeds, dtype=torch.int64)
+    positions = torch.as_tensor(positions, dtype=torch.int64)
+    index = torch.as_tensor(index, dtype=torch.int64)
+    key0 = seeds & _M32
+    key1 = (seeds >> 32) & _M32                    # arithmetic shift, masked: same bits as uint64
+    pos_lo = positions & _M32
+    pos_hi = (positions >> 32) & _M32
+    words = philox4x32_10([index >> 2, pos_lo, pos_hi, torch.full_like(index, purpose)], key0, key1)
+    lane = index & 3
+    out = torch.where(lane == 0, words[0], words[1])
+    out = torch.where(lane == 2, words[2], out)
+    return torch.where(lane == 3, words[3], out)
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(k + 1/2) * 2^-23 for the top 23 bits k: strictly inside (0, 1), exact in float32."""
+    k = (bits >> 9).to(torch.float32)
+    return (k + 0.5) * 1.1920928955078125e-07
+
+
+def uniform(seeds, positions, purpose: int, index) -> torch.Tensor:
+    return uniform_from_bits(random_bits(seeds, positions, purpose, index))
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+_LN2_HI, _LN2_LO = _f32(6.9313812256e-01), _f32(9.0580006145e-06)
+_LG1, _LG2, _LG3, _LG4 = (_f32(6.6666668653e-01), _f32(4.0000000596e-01), _f32(2.8571429849e-01),
+                          _f32(2.2222198546e-01))
+_SQRT2 = _f32(1.41421354)
+
+
+def log_det(x: torch.Tensor) -> torch.Tensor:
+    """Bit-exact mirror of specrt::log_det (positive normal float32 inputs)."""
+    x = x.to(torch.float32)
+    bits = x.view(torch.int32).to(torch.int64) & _M32
+    exponent = ((bits >> 23) & 0xFF) - 127
+    m = ((bits & 0x007FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32)
+    big = m > _SQRT2
+    m = torch.where(big, m * _f32(0.5), m)
+    exponent = exponent + big.to(torch.int64)
+    f = m - _f32(1.0)
+    s = f / (_f32(2.0) + f)
+    z = s * s
+    w = z * z
+    t1 = w * (_LG2 + w * _LG4)
+    t2 = z * (_LG1 + w * _LG3)
+    r = t2 + t1
+    hfsq = (_f32(0.5) * f) * f
+    dk = exponent.to(torch.float32)
+    return dk * _LN2_HI - ((hfsq - (s * (hfsq + r) + dk * _LN2_LO)) - f)
+
+
+def exponential_noise(seed: int, position: int, purpose: int, vocab_size: int) -> torch.Tensor:
+    """E_v = -log(U_v) for v in [0, V): the race noise of one (seed, position, purpose)."""
+    index = torch.arange(vocab_size, dtype=torch.int64)
+    return -log_det(uniform(torch.tensor(seed), torch.tensor(position), purpose, index))
+
+
+def race(weights: torch.Tensor, seed: int, position: int, purpose: int) -> tuple[int, float]:
+    """argmax_v weights_v / E_v (ties to the lowest index) and the winning score."""
+    weights = weights.to(torch.float32)
+    scores = weights / exponential_noise(seed, position, purpose, weights.numel())
+    winner = int(torch.argmax(scores))   # first maximal index
+    return winner, float(scores[winner])
+
+
+def argmax_nan_low(x: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim with NaN treated as -inf, ties to the lowest index."""
+    x = x.to(torch.float32)
+    x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    return torch.argmax(x, dim=-1)
+
+
+# --------------------------------------------------------------------------- #
+# The ops
+# --------------------------------------------------------------------------- #
+def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """temperature -> top-k -> softmax -> top-p -> renormalise, per row.
+
+    temperature 0: one-hot at the argmax (NaN as -inf, ties to the lowest index).
+    top_k 0 or >= V: off; otherwise keep every logit >= the k-th largest (ties kept).
+    top_p 1: off; otherwise keep every prob >= the prob at which the descending
+    cumulative sum first reaches top_p (ties kept), then renormalise.
+    NaN logits count as -inf; a row with no finite logit becomes one-hot at its argmax.
+    """
+    n, v = logits.shape
+    out = torch.zeros(n, v, dtype=torch.float32)
+    for row in range(n):
+        t = float(temperature[row])
+        k = int(top_k[row])
+        p_top = float(top_p[row])
+        x = logits[row].to(torch.float32)
+        x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+        if t == 0.0 or not bool(torch.isfinite(x.max())):
+            out[row, int(argmax_nan_low(x))] = 1.0
+            continue
+        x = x / _f32(t)
+        if 0 < k < v:
+            kth = torch.sort(x, descending=True).values[k - 1]
+            x = torch.where(x >= kth, x, torch.full_like(x, float("-inf")))
+        e = torch.exp(x - x.max())
+        p = e / e.sum()
+        if p_top < 1.0:
+            sorted_p = torch.sort(p, descending=True).values
+            csum = torch.cumsum(sorted_p, 0)
+            reach = torch.nonzero(csum >= p_top)
+            cut = int(reach[0]) if reach.numel() else int(torch.count_nonzero(sorted_p)) - 1
+            p = torch.where(p >= sorted_p[cut], p, torch.zeros_like(p))
+            p = p / p.sum()
+        out[row] = p
+    return out
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
+                  num_draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept draft i while it equals the target's argmax at i; emit argmax at the first miss."""
+    b, k1, _ = target_logits.shape
+    out = torch.full((b, k1), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(b, dtype=torch.int32)
+    best = argmax_nan_low(target_logits)  # [B, K+1]
+    for r in range(b):
+        n = int(num_draft_tokens[r])
+        i = 0
+        while i < n and int(draft_token_ids[r, i]) == int(best[r, i]):
+            i += 1
+        out[r, : i + 1] = best[r, : i + 1].to(torch.int32)
+        num_accepted[r] = i
+    return out, num_accepted
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                     draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, seeds: torch.Tensor,
+                     positions: torch.Tensor, method: str = "rejection"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling (DESIGN.md section 2). positions[b] is the absolute
+    position of draft token 0 of request b (draft token i sits at positions[b] + i)."""
+    b, k1, _ = target_probs.shape
+    out = torch.full((b, k1), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(b, dtype=torch.int32)
+    for r in range(b):
+        n = int(num_draft_tokens[r])
+        seed = int(seeds[r])
+        pos = int(positions[r])
+        if method == "coupled":
+            i = 0
+            while True:
+                winner, _ = race(target_probs[r, i], seed, pos + i, PURPOSE_TARGET)
+                out[r, i] = winner
+                if i < n and int(draft_token_ids[r, i]) == winner:
+                    i += 1
+                    continue
+                break
+            num_accepted[r] = i
+            continue
+        if method != "rejection":
+            raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
+        i = 0
+        while i < n:
+            x = int(draft_token_ids[r, i])
+            p_x = target_probs[r, i, x].to(torch.float32)
+            q_x = draft_probs[r, i, x].to(torch.float32) if draft_probs is not None else _f32(1.0)
+            u = uniform(torch.tensor(seed), torch.tensor(pos + i), PURPOSE_ACCEPT, torch.tensor(0))
+            if bool(u.to(torch.float32) * q_x < p_x):
+                out[r, i] = x
+                i += 1
+                continue
+            break
+        num_accepted[r] = i
+        p = target_probs[r, i].to(torch.float32)
+        if i < n:   # rejected at i: residual max(p - q, 0); fall back to p if it is all zero
+            if draft_probs is not None:
+                q = draft_probs[r, i].to(torch.float32)
+            else:
+                q = torch.zeros_like(p)
+                q[int(draft_token_ids[r, i])] = 1.0
+            d = p - q
+            residual = torch.where(d > 0, d, torch.zeros_like(d))
+            winner, score = race(residual, seed, pos + i, PURPOSE_RESIDUAL)
+            if score == 0.0:
+                winner, _ = race(p, seed, pos + i, PURPOSE_RESIDUAL)
+        else:       # all accepted: bonus token from p_n
+            winner, _ = race(p, seed, pos + i, PURPOSE_RESIDUAL)
+        out[r, i] = winner
+    return out, num_accepted
+
+
+def sample_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  purpose: str = "target") -> torch.Tensor:
+    """Exponential race per row under the given purpose (TARGET for plain decoding)."""
+    code = PURPOSES[purpose]
+    return torch.tensor([race(probs[r], int(seeds[r]), int(positions[r]), code)[0]
+                         for r in range(probs.shape[0])], dtype=torch.int32)
+
+
+def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """caches[c][:, :, dst] = caches[c][:, :, src] for every (src, dst) row."""
+    for cache in caches:
+        for src, dst in block_mapping.tolist():
+            cache[:, :, dst] = cache[:, :, src]
+
+
+def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """cache[layer, 0|1, slot // block_size, slot % block_size] = k|v; slot -1 skipped."""
+    block_size = cache.shape[3]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        cache[layer, 0, slot // block_size, slot % block_size] = k[t]
+        cache[layer, 1, slot // block_size, slot % block_size] = v[t]
