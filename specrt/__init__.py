@@ -14,9 +14,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "specrt.engine",
-    "SpecConfig": "specrt.engine",
-    "SamplingParams": "specrt.sampling_params",
+    "SpecConfig": "specrt.config",
+    "SamplingParams": "specrt.config",
     "RequestOutput": "specrt.engine",
+    "LLMEngine": "specrt.engine",
 }
 
 

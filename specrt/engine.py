@@ -1,0 +1,576 @@
+"""The speculative engine: one step = schedule, draft K tokens, verify K+1 positions, commit.
+
+    scheduler.admit()                 -> batch; policy.plan -> K per request; KV slots reserved
+    draft stream:  drafter            -> draft_token_ids [B, K], draft_probs [B, K, V] | None
+    main stream:   wait(draft_done); target.forward(pending + drafts of every request)
+                   probs_from_logits / verify_greedy / rejection_sample
+    host:          ONE device->host copy of (tokens, counts); commit accepted, roll back the rest
+                   (truncate the block table, no copy); stop checks; metrics
+
+State per request: the target's KV holds positions [0, target_cached); the last context
+token is "pending" (fed in the next step together with the drafts). A model drafter's KV
+holds [0, draft_cached). Preemption frees the blocks and resets both to 0: the request
+recomputes its context later and, by the randomness rule, emits the same tokens.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from specrt import ops
+from specrt.config import SamplingParams, SpecConfig
+from specrt.drafters import NgramProposer
+from specrt.kv_cache import AttentionMetadata, PagedKVCache, num_blocks_for_budget
+from specrt.metrics import EngineMetrics
+from specrt.models import (check_draft_compatible, check_prompt_length, load_generation_config, load_model,
+                           load_tokenizer)
+from specrt.policy import CostModel, make_policy
+from specrt.scheduler import Request, RequestStatus, Scheduler
+
+BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+
+
+def resolve_model_path(path: str | Path, role: str) -> Path:
+    if str(path) == "builtin":
+        p = BUILTIN_DIR / role
+        if not (p / "config.json").is_file():
+            raise ValueError(f"the built-in {role} model is missing from this install ({p})")
+        return p
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"{role} model folder not found: {p}")
+    return p
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: dict = field(default_factory=dict)
+    new_token_ids: list[int] = field(default_factory=list)   # streaming: tokens added by the last step
+    new_text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class _Draft:
+    draft_token_ids: torch.Tensor        # [B, K] int32 on device, -1 padded
+    num_draft_tokens: list[int]          # [B] host
+    draft_probs: torch.Tensor | None     # [B, K, V] float32 or None (one-hot drafts)
+    fed_until: list[int]                 # [B] draft-model KV positions written (for draft_cached)
+    seconds: float = 0.0
+
+
+class LLMEngine:
+    """Continuous-batching speculative engine (thread-compatible: one thread steps)."""
+
+    def __init__(self, target: str | Path, draft: str | Path | None = None, spec: SpecConfig | None = None,
+                 device: str | torch.device | None = None, dtype=None, seed: int | None = None):
+        self.spec = spec or SpecConfig()
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        target_path = resolve_model_path(target, "target")
+        self.target = load_model(target_path, dtype=dtype, device=self.device)
+        self.tokenizer = load_tokenizer(target_path)
+        self.generation_config = load_generation_config(target_path)
+        self.vocab_size = self.target.config.vocab_size
+        eos = set(self.tokenizer.eos_token_ids) | set(self.target.config.eos_token_ids)
+        self.eos_token_ids = sorted(eos)
+        self._rng = random.Random(seed)
+
+        # drafter
+        self.draft_kind = "none"
+        self.draft_model = None
+        self.self_layers = None
+        self.ngram = None
+        configs = {"target": self.target.config}
+        if draft is None or draft == "none":
+            pass
+        elif isinstance(draft, str) and draft.startswith("ngram"):
+            parts = draft.split(":")[1:]
+            self.ngram = NgramProposer(*(int(p) for p in parts)) if parts else NgramProposer()
+            self.draft_kind = "ngram"
+        elif isinstance(draft, str) and draft.startswith("self:"):
+            n = int(draft.split(":", 1)[1])
+            if not 1 <= n < self.target.config.num_layers:
+                raise ValueError(f"draft='self:N' needs 1 <= N < {self.target.config.num_layers}, got {n}")
+            self.self_layers = n
+            self.draft_kind = "self"
+        else:
+            draft_path = resolve_model_path(draft, "draft")
+            info = check_draft_compatible(target_path, draft_path)
+            self.draft_model = load_model(draft_path, dtype=dtype, device=self.device)
+            self.draft_vocab = info["shared_vocab_size"]
+            self.draft_kind = "model"
+            configs["draft"] = self.draft_model.config
+        self.speculative = self.draft_kind != "none"
+
+        self.max_model_len = min(c.max_model_len for c in configs.values())
+        if self.spec.max_model_len:
+            self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
+        num_blocks = num_blocks_for_budget(list(configs.values()), self.spec.block_size, dtype,
+                                           self.spec.kv_cache_budget, self.device)
+        # a CPU budget fraction of free RAM is far more than tiny models need: cap it
+        if self.device.type == "cpu" and isinstance(self.spec.kv_cache_budget, float):
+            num_blocks = min(num_blocks, 64 + self.spec.max_batch_size * (self.max_model_len // self.spec.block_size + 2))
+        self.kv = PagedKVCache(configs, num_blocks, self.spec.block_size, dtype, self.device,
+                               enable_prefix_sharing=self.spec.prefix_sharing)
+        self.scheduler = Scheduler(self.spec.max_batch_size)
+        self.policy = make_policy(self.spec)
+        self.costs = CostModel()
+        self.metrics = EngineMetrics()
+        self.accept_head = None
+        if self.spec.policy == "head":
+            self.accept_head = self._load_accept_head(draft)
+        self._draft_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._finished_pending: list[Request] = []
+
+    # ------------------------------------------------------------------ requests
+    def _load_accept_head(self, draft):
+        if self.draft_kind != "model":
+            raise ValueError("policy='head' needs a draft model with an acceptance head (accept_head/ beside it)")
+        from specrt.models.accept_head import AcceptanceHead
+
+        head_dir = resolve_model_path(draft, "draft") / "accept_head"
+        if not head_dir.is_dir():
+            raise ValueError(f"policy='head': no acceptance head at {head_dir} (train one with `specrt distill head`)")
+        return AcceptanceHead.load(head_dir).to(self.device).eval()
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, tag: str = "default") -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            token_ids = [int(t) for t in prompt]
+            text = None
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:8]}")
+        if not token_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        check_prompt_length(self.target.config, len(token_ids), 0, self.max_model_len - 1)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(request_id=rid, prompt_token_ids=token_ids, params=params, seed=seed, prompt=text, tag=tag)
+        with self._lock:
+            self.scheduler.add(req)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        with self._lock:
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and not req.finished:
+                self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def num_free_blocks(self) -> int:
+        return self.kv.manager.num_free_blocks
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Run one speculative step over the running batch; returns the requests that changed."""
+        with self._lock:
+            self.scheduler.admit(self._try_allocate)
+            batch = list(self.scheduler.running)
+            if not batch:
+                return self._drain_finished()
+            ks = self._plan(batch)
+            batch, ks = self._reserve(batch, ks)
+            if not batch:
+                return self._drain_finished()
+            before = [(len(r.output_token_ids), len(r.text)) for r in batch]
+            draft = self._draft(batch, ks)
+            tokens, accepted, verify_s = self._verify(batch, draft)
+            self._commit(batch, ks, draft, tokens, accepted, verify_s)
+            outs = [self._output(r, *before[i]) for i, r in enumerate(batch)]
+            return outs + self._drain_finished(exclude=batch)
+
+    # -- scheduling
+    def _try_allocate(self, req: Request) -> bool:
+        mgr = self.kv.manager
+        headroom = len(self.scheduler.running) * (self.spec.max_draft_length + 1)
+        if not mgr.can_allocate(req.context_len + headroom):
+            if not self.scheduler.running and not mgr.can_allocate(req.context_len + self.spec.max_draft_length + 1):
+                self._finish(req, "error", f"the KV cache ({mgr.num_blocks} blocks of {mgr.block_size}) cannot hold "
+                                           f"this request's {req.context_len} tokens")
+                return True   # removed from waiting by _finish; keep admitting others
+            return False
+        cached = mgr.allocate(req.request_id, req.token_ids)
+        if cached is None:
+            return False
+        cached = min(cached, req.context_len - 1)
+        req.target_cached = cached
+        req.draft_cached = cached
+        return True
+
+    def _k_cap(self, r: Request) -> int:
+        if not self.speculative:
+            return 0
+        remaining = r.params.max_tokens - r.num_generated - 1
+        room = self.max_model_len - r.context_len - 1
+        return max(0, min(self.spec.max_draft_length, remaining, room))
+
+    def _plan(self, batch: list[Request]) -> list[int]:
+        caps = [self._k_cap(r) for r in batch]
+        if not self.speculative:
+            return caps
+        return [min(k, c) for k, c in zip(self.policy.plan(batch, caps, self.costs), caps)]
+
+    def _reserve(self, batch: list[Request], ks: list[int]):
+        """Give every request slots for positions [target_cached, L + K); on shortage drop its
+        drafts, then preempt the newest other request; never crash."""
+        mgr = self.kv.manager
+        kept, kept_k = [], []
+        for r, k in zip(batch, ks):
+            if r.status != RequestStatus.RUNNING:
+                continue
+            while True:
+                need = r.context_len + k - mgr.num_tokens(r.request_id)
+                if self.kv.append_slots(r.request_id, max(need, 0)):
+                    break
+                if k > 0:
+                    k = 0
+                    continue
+                victim = self.scheduler.preempt_newest(exclude=r)
+                if victim is None:
+                    self._finish(r, "error", "the KV cache is too small for this request")
+                    break
+                self.kv.free(victim.request_id)
+                self.metrics.record_preemption()
+                if victim in kept:
+                    i = kept.index(victim)
+                    kept.pop(i)
+                    kept_k.pop(i)
+            if r.status == RequestStatus.RUNNING:
+                kept.append(r)
+                kept_k.append(k)
+        return kept, kept_k
+
+    # -- sampling parameter rows
+    def _param_rows(self, reqs: list[Request], counts: list[int]):
+        temps, topk, topp = [], [], []
+        for r, c in zip(reqs, counts):
+            temps += [r.params.temperature] * c
+            topk += [r.params.top_k] * c
+            topp += [r.params.top_p] * c
+        dev = self.device
+        return (torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True),
+                torch.tensor(topk, dtype=torch.int32).to(dev, non_blocking=True),
+                torch.tensor(topp, dtype=torch.float32).to(dev, non_blocking=True))
+
+    def _mask_eos(self, logits: torch.Tensor, output_index: list[int], reqs: list[Request]) -> None:
+        """min_tokens: the EOS logits of rows that would emit output token #i < min_tokens are -inf
+        (in draft and target rows alike, so both sample from the same constrained distribution)."""
+        rows = [i for i, (oi, r) in enumerate(zip(output_index, reqs)) if oi < r.params.min_tokens]
+        if rows and self.eos_token_ids:
+            eos = [e for e in self.eos_token_ids if e < logits.shape[1]]
+            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            logits[idx[:, None], torch.tensor(eos, dtype=torch.int64, device=logits.device)[None, :]] = float("-inf")
+
+    # -- drafting
+    def _draft(self, batch: list[Request], ks: list[int]) -> _Draft:
+        B = len(batch)
+        kmax = max(ks) if ks else 0
+        ids = torch.full((B, kmax), -1, dtype=torch.int32)
+        if kmax == 0:
+            return _Draft(ids.to(self.device), [0] * B, None, [r.draft_cached for r in batch])
+        t0 = time.perf_counter()
+        if self.draft_kind == "ngram":
+            n = []
+            for b, r in enumerate(batch):
+                prop = self.ngram.propose(r.token_ids, ks[b])
+                ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
+                n.append(len(prop))
+            return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0)
+        stream_ctx = torch.cuda.stream(self._draft_stream) if self._draft_stream is not None else nullcontext()
+        if self._draft_stream is not None:
+            self._draft_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with stream_ctx:
+            draft = self._draft_with_model(batch, ks, kmax)
+        if self._draft_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._draft_stream)
+        draft.seconds = time.perf_counter() - t0
+        return draft
+
+    def _draft_with_model(self, batch: list[Request], ks: list[int], kmax: int) -> _Draft:
+        B = len(batch)
+        dev = self.device
+        is_self = self.draft_kind == "self"
+        model = self.target if is_self else self.draft_model
+        cache = self.kv["target"] if is_self else self.kv["draft"]
+        num_layers = self.self_layers if is_self else None
+        need_probs = self.spec.acceptance == "rejection" and any(not r.params.greedy for r in batch)
+        purpose = "target" if self.spec.acceptance == "coupled" else "draft"
+        draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)
+        draft_probs = torch.zeros(B, kmax, self.vocab_size, device=dev) if need_probs else None
+        n_draft = [0] * B
+        cached = [r.target_cached if is_self else r.draft_cached for r in batch]
+        fed_until = list(cached)
+        stopped = [False] * B
+        block_tables = [self.kv.block_table(r.request_id) for r in batch]
+        prev = None          # [rows] int32 on device: the tokens sampled by the last draft step
+        prev_rows: list[int] = []
+        for j in range(kmax):
+            rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
+            if not rows:
+                break
+            if j == 0:
+                chunks = [batch[b].token_ids[cached[b]:] for b in rows]
+                input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64).to(dev, non_blocking=True)
+                positions = torch.tensor([p for b in rows for p in range(cached[b], batch[b].context_len)],
+                                         dtype=torch.int64).to(dev, non_blocking=True)
+                seq_lens = [batch[b].context_len for b in rows]
+                query_lens = [len(c) for c in chunks]
+            else:
+                sel = torch.tensor([prev_rows.index(b) for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+                input_ids = prev.index_select(0, sel).long()
+                seq_lens = [batch[b].context_len + j for b in rows]
+                positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64).to(dev, non_blocking=True)
+                query_lens = [1] * len(rows)
+            meta = AttentionMetadata.build(seq_lens, query_lens, [block_tables[b] for b in rows],
+                                           self.spec.block_size, dev)
+            last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
+            logits, hidden = model(input_ids, positions, meta, cache, num_layers=num_layers, logits_indices=last,
+                                   return_hidden=self.policy.needs_hidden)
+            if logits.shape[1] < self.vocab_size:   # draft vocabulary padded to the target's
+                pad = logits.new_full((logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf"))
+                logits = torch.cat([logits, pad], 1)
+            reqs = [batch[b] for b in rows]
+            self._mask_eos(logits, [batch[b].num_generated + j for b in rows], reqs)
+            temps, topk, topp = self._param_rows(reqs, [1] * len(rows))
+            q = ops.probs_from_logits(logits, temps, topk, topp)                          # [rows, V]
+            seeds = torch.tensor([batch[b].seed for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+            pos = torch.tensor([batch[b].context_len + j for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+            x = ops.sample_tokens(q, seeds, pos, purpose=purpose)                           # [rows] int32
+            row_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+            draft_ids[row_idx, j] = x
+            if draft_probs is not None:
+                draft_probs[row_idx, j] = q
+            for b, s in zip(rows, seq_lens):
+                n_draft[b] = j + 1
+                fed_until[b] = s
+            if self.policy.needs_draft_probs_on_host:
+                # one intentional sync per draft step: confidence / head policies decide on the host
+                qx = q.gather(1, x.long()[:, None])[:, 0]
+                p_acc = None
+                if self.accept_head is not None:
+                    p_acc = self.accept_head(hidden.float(), qx).float().cpu().tolist()
+                qx = qx.cpu().tolist()
+                for i, b in enumerate(rows):
+                    if self.policy.should_stop(batch[b], j, qx[i], None if p_acc is None else p_acc[i]):
+                        stopped[b] = True
+                        n_draft[b] = j          # the unconfident token is not proposed
+            prev, prev_rows = x, rows
+        return _Draft(draft_ids, n_draft, draft_probs, fed_until)
+
+    # -- verification
+    def _verify(self, batch: list[Request], draft: _Draft):
+        dev = self.device
+        B = len(batch)
+        t0 = time.perf_counter()
+        kmax = draft.draft_token_ids.shape[1]
+        n = draft.num_draft_tokens
+        host_ids, positions, draft_dest, draft_src, logit_rows, seq_lens, query_lens = [], [], [], [], [], [], []
+        for b, r in enumerate(batch):
+            start = r.target_cached
+            L = r.context_len
+            pending = r.token_ids[start:]
+            base = len(host_ids)
+            host_ids += pending + [0] * n[b]
+            draft_dest += range(base + len(pending), base + len(pending) + n[b])
+            draft_src += range(b * kmax, b * kmax + n[b])
+            positions += range(start, L + n[b])
+            logit_rows += range(base + len(pending) - 1, base + len(pending) + n[b])
+            seq_lens.append(L + n[b])
+            query_lens.append(L + n[b] - start)
+        input_ids = torch.tensor(host_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        if draft_dest:
+            src = torch.tensor(draft_src, dtype=torch.int64).to(dev, non_blocking=True)
+            dst = torch.tensor(draft_dest, dtype=torch.int64).to(dev, non_blocking=True)
+            input_ids[dst] = draft.draft_token_ids.view(-1).index_select(0, src).long()
+        meta = AttentionMetadata.build(seq_lens, query_lens, [self.kv.block_table(r.request_id) for r in batch],
+                                       self.spec.block_size, dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        rows_t = torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True)
+        logits, _ = self.target(input_ids, pos_t, meta, self.kv["target"], logits_indices=rows_t)  # [R, V]
+        counts = [k + 1 for k in n]
+        reqs_rows = [r for r, c in zip(batch, counts) for _ in range(c)]
+        out_index = [r.num_generated + i for r, c in zip(batch, counts) for i in range(c)]
+        self._mask_eos(logits, out_index, reqs_rows)
+        # scatter the ragged rows into [B, K+1, V]
+        pad_index = torch.tensor([b * (kmax + 1) + i for b, c in enumerate(counts) for i in range(c)],
+                                 dtype=torch.int64).to(dev, non_blocking=True)
+        n_t = torch.tensor(n, dtype=torch.int32).to(dev, non_blocking=True)
+        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64).to(dev, non_blocking=True)
+        first_pos = torch.tensor([r.context_len for r in batch], dtype=torch.int64).to(dev, non_blocking=True)
+        if all(r.params.greedy for r in batch):
+            padded = logits.new_zeros(B * (kmax + 1), logits.shape[1])
+            padded[pad_index] = logits
+            tokens, accepted = ops.verify_greedy(padded.view(B, kmax + 1, -1), draft.draft_token_ids, n_t,
+                                                 check_values=False)
+        else:
+            temps, topk, topp = self._param_rows(batch, counts)
+            probs = ops.probs_from_logits(logits, temps, topk, topp, check_values=False)    # [R, V]
+            padded = probs.new_zeros(B * (kmax + 1), probs.shape[1])
+            padded[pad_index] = probs
+            padded = padded.view(B, kmax + 1, -1)
+            if not self.speculative:
+                tokens = ops.sample_tokens(padded[:, 0].contiguous(), seeds, first_pos, purpose="target",
+                                           check_values=False)[:, None]
+                accepted = torch.zeros(B, dtype=torch.int32, device=dev)
+            else:
+                tokens, accepted = ops.rejection_sample(padded, draft.draft_probs, draft.draft_token_ids, n_t, seeds,
+                                                        first_pos, method=self.spec.acceptance, check_values=False)
+        # the one intentional device->host sync of the step
+        host = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None]], 1).cpu()
+        verify_s = time.perf_counter() - t0
+        self.costs.add_verify(sum(query_lens), sum(seq_lens), verify_s)
+        if draft.seconds and kmax:
+            self.costs.add_draft(sum(1 for k in n if k), sum(seq_lens), draft.seconds / kmax)
+        return host[:, :-1].tolist(), host[:, -1].tolist(), verify_s
+
+    # -- commit
+    def _commit(self, batch, ks, draft: _Draft, tokens, accepted, verify_s) -> None:
+        for b, r in enumerate(batch):
+            n = draft.num_draft_tokens[b]
+            a = int(accepted[b])
+            emitted = [int(t) for t in tokens[b][:a + 1]]
+            L = r.context_len
+            r.target_cached = L + a
+            if self.draft_kind == "model":
+                r.draft_cached = min(draft.fed_until[b], L + a)
+            elif self.draft_kind == "self":
+                r.draft_cached = r.target_cached
+            mgr = self.kv.manager
+            surplus = mgr.num_tokens(r.request_id) - r.target_cached
+            if surplus > 0:
+                self.kv.rollback(r.request_id, surplus)
+            self.policy.observe(r, n, a)
+            share = draft.seconds * (n / max(sum(draft.num_draft_tokens), 1))
+            r.stats.record(n, a, len(emitted), share, verify_s / len(batch), 0.0)
+            self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_s / len(batch), 0.0)
+            self._append_tokens(r, emitted)
+            if not r.finished:
+                committed = min(r.target_cached, r.draft_cached) if self.draft_kind == "model" else r.target_cached
+                self.kv.commit(r.request_id, r.token_ids[:committed])
+
+    def _append_tokens(self, r: Request, emitted: list[int]) -> None:
+        p = r.params
+        for t in emitted:
+            r.output_token_ids.append(t)
+            if t in self.eos_token_ids and not p.ignore_eos and r.num_generated >= p.min_tokens:
+                self._finish(r, "stop")
+                break
+            if r.num_generated >= p.max_tokens or r.context_len >= self.max_model_len:
+                self._finish(r, "length")
+                break
+        r.text = self.tokenizer.decode(r.output_token_ids)
+        if p.stop and not r.finished:
+            for s in p.stop:
+                i = r.text.find(s)
+                if i >= 0:
+                    r.text = r.text[:i]
+                    self._finish(r, "stop")
+                    break
+
+    def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(r, reason, error)
+        if self.kv.manager.has_request(r.request_id):
+            self.kv.free(r.request_id)
+        self.metrics.record_finish(reason, len(r.prompt_token_ids))
+        self._finished_pending.append(r)
+
+    def _drain_finished(self, exclude=()) -> list[RequestOutput]:
+        """Outputs of requests that finished outside the batch (abort, error); forget all finished."""
+        outs = []
+        for r in self._finished_pending:
+            if not any(r is e for e in exclude):
+                outs.append(self._output(r, len(r.output_token_ids), len(r.text)))
+            self.scheduler.release(r)
+        self._finished_pending = []
+        return outs
+
+    def _output(self, r: Request, prev_tokens: int, prev_text: int) -> RequestOutput:
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+                             text=r.text, token_ids=list(r.output_token_ids), finished=r.finished,
+                             finish_reason=r.finish_reason, metrics=r.stats.summary(),
+                             new_token_ids=list(r.output_token_ids[prev_tokens:]), new_text=r.text[prev_text:],
+                             error=r.error)
+
+
+class LLM:
+    """The Python API.
+
+        llm = specrt.LLM(target="builtin", draft="builtin", spec=specrt.SpecConfig(max_draft_length=4))
+        outs = llm.generate(["def fib(n):"], specrt.SamplingParams(temperature=0, max_tokens=64))
+    """
+
+    def __init__(self, target: str | Path = "builtin", draft: str | Path | None = None,
+                 spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None):
+        self.engine = LLMEngine(target, draft, spec, device, dtype, seed)
+        self.tokenizer = self.engine.tokenizer
+
+    def _add_all(self, prompts, params, tags) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        tags = tags or ["default"] * len(prompts)
+        return [self.engine.add_request(p, sp, tag=t) for p, sp, t in zip(prompts, params, tags)]
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 tags: Sequence[str] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        ids = self._add_all(prompts, params, tags)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def generate_stream(self, prompts, params=None, tags=None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput (with new_token_ids / new_text) each time a request advances."""
+        ids = set(self._add_all(prompts, params, tags))
+        remaining = set(ids)
+        while remaining:
+            for out in self.engine.step():
+                if out.request_id in ids:
+                    yield out
+                    if out.finished:
+                        remaining.discard(out.request_id)
+
+    def stats(self) -> dict:
+        return self.engine.metrics.snapshot()
+
+    def warmup(self, num_requests: int = 4, max_tokens: int = 16) -> None:
+        """Run a few short requests so kernels, caches and the cost model settle before serving."""
+        prompts = [[1 + (i * 7) % max(self.engine.vocab_size - 1, 1)] * 8 for i in range(num_requests)]
+        self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))

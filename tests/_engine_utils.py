@@ -1,0 +1,56 @@
+"""A tiny target/draft pair with a tokenizer, saved as HF folders, for engine tests.
+
+The draft is the target's first layer plus its embeddings, final norm and head
+(layer-init), so it agrees with the target often enough for speculation to matter.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 96
+EOS = 2
+
+
+def _tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, VOCAB):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken("<unk>", special=True), AddedToken("<s>", special=True),
+                            AddedToken("</s>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+
+
+def make_pair(root: Path, layers: int = 3, draft_layers: int = 1, seed: int = 0,
+              max_position_embeddings: int = 512) -> tuple[Path, Path]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                      rms_norm_eps=1e-5, initializer_range=0.15, bos_token_id=1, eos_token_id=EOS,
+                      tie_word_embeddings=True)
+    target = LlamaForCausalLM(cfg).eval()
+    tdir, ddir = root / "target", root / "draft"
+    target.save_pretrained(str(tdir), safe_serialization=True)
+    dcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": draft_layers})
+    draft = LlamaForCausalLM(dcfg).eval()
+    sd = {k: v for k, v in target.state_dict().items()
+          if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
+    draft.load_state_dict(sd, strict=False)
+    draft.save_pretrained(str(ddir), safe_serialization=True)
+    for d in (tdir, ddir):
+        _tokenizer(d)
+    return tdir, ddir
