@@ -1,0 +1,305 @@
+"""The speculative engine on a tiny random target/draft pair (CPU).
+
+Properties proven here (DESIGN.md sections 3 and 4):
+- greedy: speculative output == autoregressive output, every drafter and policy,
+  batches of 1-8 mixed-length prompts, overlap on and off;
+- coupled acceptance: sampled output == autoregressive sampling with the same
+  seed, for every drafter, policy, K and batch;
+- rejection acceptance: the same request + seed + draft lengths gives the same
+  tokens alone or in any batch and with overlap on/off; the distribution of the
+  first generated tokens equals autoregressive sampling (chi-square);
+- preemption when the KV cache runs out resumes with the same tokens, and every
+  block is returned at the end;
+- bad input is refused with a clear error while other requests keep running.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_utils import EOS, VOCAB, make_pair  # noqa: E402
+
+import specrt  # noqa: E402
+from specrt import SamplingParams, SpecConfig  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [30, 31], [40, 41, 42, 43, 44, 45, 46],
+           [50] * 3 + [51] * 3, [60, 61, 62, 60, 61, 62, 60], [70]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    tdir, ddir = make_pair(tmp_path_factory.mktemp("pair"))
+    # an acceptance head beside the draft for policy="head" (untrained weights are fine: the
+    # policy must be output-neutral whatever the head says)
+    from specrt.models.accept_head import AcceptanceHead
+
+    torch.manual_seed(0)
+    AcceptanceHead(hidden_size=64, width=16).save(str(ddir / "accept_head"))
+    return tdir, ddir
+
+
+_llm_cache: dict = {}
+
+
+def llm(pair, draft, **spec):
+    key = (draft, tuple(sorted(spec.items())))
+    if key not in _llm_cache:
+        tdir, ddir = pair
+        d = {"model": str(ddir), "none": None}.get(draft, draft)
+        _llm_cache[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
+    return _llm_cache[key]
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(pair):
+    return tokens(llm(pair, "none").generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "self:1"])
+@pytest.mark.parametrize("policy", ["fixed", "confidence", "head", "budget"])
+def test_greedy_equals_autoregressive(pair, ar_greedy, draft, policy):
+    if policy == "head" and draft != "model":
+        pytest.skip("the head policy needs a draft model's hidden states")
+    eng = llm(pair, draft, policy=policy, max_draft_length=4)
+    for batch in (1, 3, 8):
+        got = tokens(eng.generate(PROMPTS[:batch], GREEDY))
+        assert got == ar_greedy[:batch], f"draft={draft} policy={policy} batch={batch}"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_overlap_and_k(pair, ar_greedy, overlap):
+    for k in (1, 2, 6):
+        got = tokens(llm(pair, "model", max_draft_length=k, overlap=overlap).generate(PROMPTS, GREEDY))
+        assert got == ar_greedy
+
+
+def test_speculation_actually_accepts(pair):
+    """The layer-init draft must agree with the target often enough that steps emit >1 token,
+    otherwise the identity tests above would pass vacuously."""
+    out = llm(pair, "model", max_draft_length=4).generate(PROMPTS, GREEDY)
+    accepted = sum(o.metrics["accepted_tokens"] for o in out)
+    emitted = sum(o.metrics["emitted_tokens"] for o in out)
+    steps = sum(o.metrics["steps"] for o in out)
+    assert accepted > 0 and emitted == sum(len(o.token_ids) for o in out)
+    assert emitted / steps > 1.05
+
+
+SAMPLED = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=20, ignore_eos=True, seed=s)
+           for s, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.9), (0.0, 0, 1.0),
+                                          (1.0, 5, 0.8), (0.5, 0, 1.0), (1.0, 0, 1.0), (2.0, 50, 0.95)])]
+
+
+@pytest.fixture(scope="module")
+def ar_sampled(pair):
+    return tokens(llm(pair, "none").generate(PROMPTS, SAMPLED))
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "self:1"])
+@pytest.mark.parametrize("policy", ["fixed", "confidence", "budget"])
+def test_coupled_equals_autoregressive_sampling(pair, ar_sampled, draft, policy):
+    eng = llm(pair, draft, policy=policy, acceptance="coupled", max_draft_length=3)
+    assert tokens(eng.generate(PROMPTS, SAMPLED)) == ar_sampled
+    # alone, in another order, in a smaller batch: still the same tokens
+    assert tokens(eng.generate(PROMPTS[5:6], SAMPLED[5:6])) == ar_sampled[5:6]
+    rev = eng.generate(PROMPTS[::-1], SAMPLED[::-1])
+    assert tokens(rev) == ar_sampled[::-1]
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_coupled_any_k_and_overlap(pair, ar_sampled, k):
+    for overlap in (False, True):
+        eng = llm(pair, "model", acceptance="coupled", max_draft_length=k, overlap=overlap)
+        assert tokens(eng.generate(PROMPTS, SAMPLED)) == ar_sampled
+
+
+def test_rejection_batch_invariance_and_overlap(pair):
+    """Under rejection sampling tokens may depend on K, but not on batch neighbours, slot or overlap."""
+    eng = llm(pair, "model", max_draft_length=3)
+    full = tokens(eng.generate(PROMPTS, SAMPLED))
+    for i in (0, 4, 7):
+        assert tokens(eng.generate([PROMPTS[i]], [SAMPLED[i]])) == [full[i]]
+    assert tokens(eng.generate(PROMPTS[::-1], SAMPLED[::-1])) == full[::-1]
+    assert tokens(llm(pair, "model", max_draft_length=3, overlap=True).generate(PROMPTS, SAMPLED)) == full
+    # continuous batching: requests joining mid-run do not change anyone's tokens
+    e = eng.engine
+    rid0 = e.add_request(PROMPTS[0], SAMPLED[0])
+    done = {}
+    for step in range(200):
+        if step == 2:
+            rid1 = e.add_request(PROMPTS[1], SAMPLED[1])
+        if step == 4:
+            rid2 = e.add_request(PROMPTS[2], SAMPLED[2])
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        if len(done) == 3:
+            break
+    assert [done[rid0], done[rid1], done[rid2]] == full[:3]
+
+
+def _first_tokens(eng, n, temperature=1.0, top_k=6, tokens_per_req=3, seed0=0):
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=tokens_per_req, ignore_eos=True,
+                             seed=seed0 + i) for i in range(n)]
+    return [o.token_ids for o in eng.generate([PROMPTS[1]] * n, params)]
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "self:1"])
+def test_sampling_distribution_matches_autoregressive(pair, draft):
+    """Chi-square (two-sample) on each of the first 3 tokens: speculative (rejection) vs autoregressive.
+    Distinct seed sets: the two runs are independent samples."""
+    from scipy.stats import chi2_contingency
+
+    n = 1500
+    ar = _first_tokens(llm(pair, "none", max_batch_size=256), n, seed0=10_000)
+    sp = _first_tokens(llm(pair, draft, max_batch_size=256, max_draft_length=3), n, seed0=50_000)
+    for pos in range(3):
+        a = torch.bincount(torch.tensor([t[pos] for t in ar]), minlength=VOCAB)
+        b = torch.bincount(torch.tensor([t[pos] for t in sp]), minlength=VOCAB)
+        keep = (a + b) > 0
+        table = torch.stack([a[keep], b[keep]]).numpy()
+        p = chi2_contingency(table)[1]
+        assert p > 1e-4, f"draft={draft} token {pos}: p={p:.2e}"
+
+
+def test_sampling_distribution_test_has_power(pair):
+    """The chi-square above must reject a slightly different distribution (top-k 6 vs 5: one
+    token's mass moved to the others). Subtler sampler bugs are caught by the kernel-level
+    exactness tests (tests/test_sampling_exactness.py) with far more draws."""
+    from scipy.stats import chi2_contingency
+
+    eng = llm(pair, "none", max_batch_size=256)
+    a = _first_tokens(eng, 1500, top_k=6, seed0=10_000)
+    b = _first_tokens(eng, 1500, top_k=5, seed0=50_000)
+    x = torch.bincount(torch.tensor([t[0] for t in a]), minlength=VOCAB)
+    y = torch.bincount(torch.tensor([t[0] for t in b]), minlength=VOCAB)
+    keep = (x + y) > 0
+    assert chi2_contingency(torch.stack([x[keep], y[keep]]).numpy())[1] < 1e-6
+
+
+def test_preemption_resumes_with_same_tokens(pair, ar_sampled):
+    tdir, ddir = pair
+    # 12 blocks of 4 tokens for 8 requests of up to 38 tokens: preemption is unavoidable
+    from specrt.models import load_model
+    from specrt.kv_cache import kv_bytes_per_block
+
+    cfgs = [load_model(tdir).config, load_model(ddir).config]
+    budget = 12 * kv_bytes_per_block(cfgs, 4, torch.float32)
+    eng = specrt.LLM(target=str(tdir), draft=str(ddir),
+                     spec=SpecConfig(acceptance="coupled", max_draft_length=3, block_size=4, kv_cache_budget=budget))
+    out = eng.generate(PROMPTS, SAMPLED)
+    assert tokens(out) == ar_sampled
+    assert eng.stats()["preemptions"] > 0
+    assert eng.engine.num_free_blocks() == eng.engine.kv.manager.num_blocks
+
+
+def test_request_too_big_for_cache_fails_cleanly(pair):
+    tdir, _ = pair
+    from specrt.models import load_model
+    from specrt.kv_cache import kv_bytes_per_block
+
+    budget = 3 * kv_bytes_per_block([load_model(tdir).config], 4, torch.float32)
+    eng = specrt.LLM(target=str(tdir), spec=SpecConfig(block_size=4, kv_cache_budget=budget))
+    out = eng.generate([[5] * 40, [6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert out[0].finish_reason == "error" and "KV cache" in out[0].error
+    assert out[1].finish_reason == "length" and len(out[1].token_ids) == 4
+
+
+def test_stop_conditions(pair):
+    eng = llm(pair, "model", max_draft_length=4)
+    base = eng.generate([PROMPTS[0]], GREEDY)[0]
+    # max_tokens
+    assert len(eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+               .token_ids) == 5
+    # a stop string cuts the text before it
+    words = base.text.split()
+    stop = words[3]
+    out = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and stop not in out.text and base.text.startswith(out.text.rstrip())
+    # EOS stops unless ignored; min_tokens forbids it early
+    outs = eng.generate([PROMPTS[1]] * 64, [SamplingParams(temperature=1.5, max_tokens=30, seed=s) for s in range(64)])
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped and all(o.token_ids[-1] == EOS and EOS not in o.token_ids[:-1] for o in stopped)
+    outs = eng.generate([PROMPTS[1]] * 64, [SamplingParams(temperature=1.5, max_tokens=30, min_tokens=12, seed=s)
+                                            for s in range(64)])
+    assert all(EOS not in o.token_ids[:12] for o in outs)
+
+
+def test_bad_input_keeps_engine_serving(pair, tmp_path):
+    eng = llm(pair, "model", max_draft_length=2)
+    e = eng.engine
+    good = e.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2 ** 70)
+    with pytest.raises(ValueError, match="empty"):
+        e.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        e.add_request("", GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        e.add_request([5] * 600, GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        e.add_request([5, VOCAB + 3], GREEDY)
+    with pytest.raises(ValueError, match="policy"):
+        SpecConfig(policy="magic")
+    done = {}
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done[good].finish_reason == "length" and len(done[good].token_ids) == 24
+
+
+def test_draft_with_other_vocabulary_is_refused(pair, tmp_path):
+    tdir, _ = pair
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(str(other))
+    with pytest.raises(ValueError, match="vocab"):
+        specrt.LLM(target=str(tdir), draft=str(other))
+
+
+def test_abort_frees_blocks_and_streaming(pair):
+    eng = llm(pair, "model", max_draft_length=3)
+    e = eng.engine
+    rid = e.add_request(PROMPTS[0], GREEDY)
+    e.step()
+    e.abort_request(rid)
+    outs = e.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
+    assert e.num_free_blocks() == e.kv.manager.num_blocks
+    pieces = list(eng.generate_stream([PROMPTS[2]], GREEDY))
+    assert pieces[-1].finished
+    assert sum((p.new_token_ids for p in pieces), []) == pieces[-1].token_ids
+
+
+def test_metrics_and_prometheus(pair):
+    eng = llm(pair, "model", max_draft_length=4)
+    eng.generate(PROMPTS[:4], GREEDY, tags=["code", "code", "chat", "chat"])
+    snap = eng.stats()
+    assert set(snap["by_tag"]) >= {"code", "chat"}
+    tot = snap["total"]
+    assert 0 <= tot["draft_hit_rate"] <= 1 and tot["tokens_per_target_forward"] >= 1
+    assert len(tot["acceptance_rate_per_position"]) == 4
+    text = eng.engine.metrics.prometheus()
+    assert 'specrt_draft_tokens_total{tag="code"}' in text
+    assert "specrt_position_acceptance_rate{position=\"0\"}" in text
+    assert "# TYPE specrt_emitted_tokens_total counter" in text
