@@ -205,8 +205,8 @@ class LLMEngine:
                 return self._drain_finished()
             before = [(len(r.output_token_ids), len(r.text)) for r in batch]
             draft = self._draft(batch, ks)
-            tokens, accepted, verify_s = self._verify(batch, draft)
-            self._commit(batch, ks, draft, tokens, accepted, verify_s)
+            tokens, accepted, verify_s, pre = self._verify(batch, ks, draft)
+            self._commit(batch, draft, tokens, accepted, verify_s, pre)
             outs = [self._output(r, *before[i]) for i, r in enumerate(batch)]
             return outs + self._drain_finished(exclude=batch)
 
@@ -307,66 +307,95 @@ class LLMEngine:
                 ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
                 n.append(len(prop))
             return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0)
-        stream_ctx = torch.cuda.stream(self._draft_stream) if self._draft_stream is not None else nullcontext()
-        if self._draft_stream is not None:
-            self._draft_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with stream_ctx:
+        with self._on_draft_stream():
             draft = self._draft_with_model(batch, ks, kmax)
-        if self._draft_stream is not None:
+        if self._draft_stream is not None:   # verification waits for the drafts (an event, no host sync)
             torch.cuda.current_stream(self.device).wait_stream(self._draft_stream)
         draft.seconds = time.perf_counter() - t0
         return draft
+
+    def _on_draft_stream(self):
+        if self._draft_stream is None:
+            return nullcontext()
+        self._draft_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._draft_stream)
+
+    def _draft_model_parts(self):
+        if self.draft_kind == "self":
+            return self.target, self.kv["target"], self.self_layers
+        return self.draft_model, self.kv["draft"], None
+
+    def _draft_forward(self, reqs: list[Request], input_ids: torch.Tensor, seq_lens: list[int],
+                       query_lens: list[int], out_index: list[int]):
+        """One batched draft forward; returns (q [rows, V] float32, hidden or None) for each row's
+        last position. Draft and target rows of a request get the same sampling transform."""
+        dev = self.device
+        model, cache, num_layers = self._draft_model_parts()
+        positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
+                                 dtype=torch.int64).to(dev, non_blocking=True)
+        meta = AttentionMetadata.build(seq_lens, query_lens, [self.kv.block_table(r.request_id) for r in reqs],
+                                       self.spec.block_size, dev)
+        last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
+        logits, hidden = model(input_ids, positions, meta, cache, num_layers=num_layers, logits_indices=last,
+                               return_hidden=self.policy.needs_hidden)
+        if logits.shape[1] < self.vocab_size:   # a draft vocabulary padded to the target's
+            pad = logits.new_full((logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf"))
+            logits = torch.cat([logits, pad], 1)
+        self._mask_eos(logits, out_index, reqs)
+        temps, topk, topp = self._param_rows(reqs, [1] * len(reqs))
+        return ops.probs_from_logits(logits, temps, topk, topp, check_values=False), hidden
+
+    def _sample_draft(self, q: torch.Tensor, reqs: list[Request], positions: list[int]) -> torch.Tensor:
+        """Draft tokens [rows] int32: DRAFT noise (rejection) or the target's own TARGET noise (coupled)."""
+        dev = self.device
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        purpose = "target" if self.spec.acceptance == "coupled" else "draft"
+        return ops.sample_tokens(q, seeds, pos, purpose=purpose, check_values=False)
 
     def _draft_with_model(self, batch: list[Request], ks: list[int], kmax: int) -> _Draft:
         B = len(batch)
         dev = self.device
         is_self = self.draft_kind == "self"
-        model = self.target if is_self else self.draft_model
-        cache = self.kv["target"] if is_self else self.kv["draft"]
-        num_layers = self.self_layers if is_self else None
         need_probs = self.spec.acceptance == "rejection" and any(not r.params.greedy for r in batch)
-        purpose = "target" if self.spec.acceptance == "coupled" else "draft"
-        draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)
-        draft_probs = torch.zeros(B, kmax, self.vocab_size, device=dev) if need_probs else None
+        draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)          # [B, K]
+        draft_probs = torch.zeros(B, kmax, self.vocab_size, device=dev) if need_probs else None  # [B, K, V]
         n_draft = [0] * B
-        cached = [r.target_cached if is_self else r.draft_cached for r in batch]
+        # at least the pending last token is fed (positions past the context may hold an unused pre-draft)
+        cached = [min(r.target_cached if is_self else r.draft_cached, r.context_len - 1) for r in batch]
         fed_until = list(cached)
         stopped = [False] * B
-        block_tables = [self.kv.block_table(r.request_id) for r in batch]
+        # requests whose overlap pre-draft (made while the last round verified) is still valid
+        for b, r in enumerate(batch):
+            pre = r.policy_state.pop("pre_draft", None)
+            if pre is not None and pre["k"] == ks[b]:
+                self.metrics.record_overlap(used=True)
+                draft_ids[b, :ks[b]] = pre["ids"]
+                if draft_probs is not None and pre["probs"] is not None:
+                    draft_probs[b, :ks[b]] = pre["probs"]
+                n_draft[b] = ks[b]
+                fed_until[b] = r.draft_cached
+                stopped[b] = True
         prev = None          # [rows] int32 on device: the tokens sampled by the last draft step
         prev_rows: list[int] = []
         for j in range(kmax):
             rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
             if not rows:
                 break
+            reqs = [batch[b] for b in rows]
             if j == 0:
                 chunks = [batch[b].token_ids[cached[b]:] for b in rows]
                 input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64).to(dev, non_blocking=True)
-                positions = torch.tensor([p for b in rows for p in range(cached[b], batch[b].context_len)],
-                                         dtype=torch.int64).to(dev, non_blocking=True)
-                seq_lens = [batch[b].context_len for b in rows]
+                seq_lens = [r.context_len for r in reqs]
                 query_lens = [len(c) for c in chunks]
             else:
                 sel = torch.tensor([prev_rows.index(b) for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
                 input_ids = prev.index_select(0, sel).long()
-                seq_lens = [batch[b].context_len + j for b in rows]
-                positions = torch.tensor([s - 1 for s in seq_lens], dtype=torch.int64).to(dev, non_blocking=True)
+                seq_lens = [r.context_len + j for r in reqs]
                 query_lens = [1] * len(rows)
-            meta = AttentionMetadata.build(seq_lens, query_lens, [block_tables[b] for b in rows],
-                                           self.spec.block_size, dev)
-            last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
-            logits, hidden = model(input_ids, positions, meta, cache, num_layers=num_layers, logits_indices=last,
-                                   return_hidden=self.policy.needs_hidden)
-            if logits.shape[1] < self.vocab_size:   # draft vocabulary padded to the target's
-                pad = logits.new_full((logits.shape[0], self.vocab_size - logits.shape[1]), float("-inf"))
-                logits = torch.cat([logits, pad], 1)
-            reqs = [batch[b] for b in rows]
-            self._mask_eos(logits, [batch[b].num_generated + j for b in rows], reqs)
-            temps, topk, topp = self._param_rows(reqs, [1] * len(rows))
-            q = ops.probs_from_logits(logits, temps, topk, topp)                          # [rows, V]
-            seeds = torch.tensor([batch[b].seed for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
-            pos = torch.tensor([batch[b].context_len + j for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
-            x = ops.sample_tokens(q, seeds, pos, purpose=purpose)                           # [rows] int32
+            q, hidden = self._draft_forward(reqs, input_ids, seq_lens, query_lens,
+                                            [r.num_generated + j for r in reqs])           # [rows, V]
+            x = self._sample_draft(q, reqs, [r.context_len + j for r in reqs])               # [rows]
             row_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
             draft_ids[row_idx, j] = x
             if draft_probs is not None:
@@ -388,8 +417,74 @@ class LLMEngine:
             prev, prev_rows = x, rows
         return _Draft(draft_ids, n_draft, draft_probs, fed_until)
 
+    def _pre_draft(self, batch: list[Request], ks: list[int], draft: _Draft) -> dict[int, dict]:
+        """Overlap: while the target verifies this round, draft the next one assuming every draft
+        is accepted and the bonus token equals the draft's own guess. Enqueued on the draft
+        stream (no dependency on the verification), so on CUDA it runs concurrently. Kept only
+        if that assumption holds, else dropped: the output never depends on it.
+
+        Only for model drafters under the fixed policy (other policies decide K from the
+        outcome of this round, so the next round's K is not known yet)."""
+        if not (self.spec.overlap and self.draft_kind == "model" and self.spec.policy == "fixed"):
+            return {}
+        dev = self.device
+        rows, k_next = [], []
+        for b, r in enumerate(batch):
+            n = draft.num_draft_tokens[b]
+            if n == 0 or n != ks[b]:
+                continue
+            g = r.num_generated + n + 1                       # generated tokens if all accepted
+            L_next = r.context_len + n + 1
+            k = max(0, min(self.spec.max_draft_length, r.params.max_tokens - g - 1,
+                           self.max_model_len - L_next - 1))
+            if k == 0 or not self.kv.append_slots(r.request_id, L_next + k - 1 - self.kv.num_tokens(r.request_id)):
+                continue
+            rows.append(b)
+            k_next.append(k)
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        reqs = [batch[b] for b in rows]
+        need_probs = self.spec.acceptance == "rejection" and any(not r.params.greedy for r in reqs)
+        out_ids = torch.full((len(rows), max(k_next)), -1, dtype=torch.int32, device=dev)
+        out_probs = torch.zeros(len(rows), max(k_next), self.vocab_size, device=dev) if need_probs else None
+        with self._on_draft_stream():
+            # step 0: feed the last draft x_n, guess the bonus token at position L + n
+            last = torch.tensor([b * draft.draft_token_ids.shape[1] + draft.num_draft_tokens[b] - 1 for b in rows],
+                                dtype=torch.int64).to(dev, non_blocking=True)
+            feed = draft.draft_token_ids.view(-1).index_select(0, last).long()
+            base = [r.context_len + draft.num_draft_tokens[b] for b, r in zip(rows, reqs)]   # position of the bonus
+            q, _ = self._draft_forward(reqs, feed, base, [1] * len(rows),
+                                       [r.num_generated + draft.num_draft_tokens[b] for b, r in zip(rows, reqs)])
+            if self.spec.acceptance == "coupled":
+                guess = self._sample_draft(q, reqs, base)        # the target's own race noise: likely the bonus
+            else:
+                guess = q.argmax(-1).to(torch.int32)             # the draft's most likely bonus
+            feed = guess.long()
+            active = list(range(len(rows)))
+            for j in range(max(k_next)):
+                active = [i for i in active if j < k_next[i]]
+                sel = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
+                sub = [reqs[i] for i in active]
+                seq = [base[i] + 1 + j for i in active]
+                q, _ = self._draft_forward(sub, feed.index_select(0, sel),
+                                           seq, [1] * len(active),
+                                           [reqs[i].num_generated + draft.num_draft_tokens[rows[i]] + 1 + j
+                                            for i in active])
+                y = self._sample_draft(q, sub, seq)
+                out_ids[sel, j] = y
+                if out_probs is not None:
+                    out_probs[sel, j] = q
+                feed = torch.zeros(len(rows), dtype=torch.int64, device=dev)
+                feed[sel] = y.long()
+        seconds = time.perf_counter() - t0
+        return {b: {"guess": guess[i], "ids": out_ids[i, :k_next[i]], "k": k_next[i],
+                    "probs": None if out_probs is None else out_probs[i, :k_next[i]],
+                    "fed_until": base[i] + k_next[i], "seconds": seconds / len(rows)}
+                for i, b in enumerate(rows)}
+
     # -- verification
-    def _verify(self, batch: list[Request], draft: _Draft):
+    def _verify(self, batch: list[Request], ks: list[int], draft: _Draft):
         dev = self.device
         B = len(batch)
         t0 = time.perf_counter()
@@ -446,36 +541,57 @@ class LLMEngine:
             else:
                 tokens, accepted = ops.rejection_sample(padded, draft.draft_probs, draft.draft_token_ids, n_t, seeds,
                                                         first_pos, method=self.spec.acceptance, check_values=False)
+        launched = time.perf_counter()
+        pre = self._pre_draft(batch, ks, draft)     # overlap: next round's drafts on the draft stream
+        pre_s = time.perf_counter() - launched
+        guesses = torch.full((B,), -1, dtype=torch.int32, device=dev)
+        if pre:
+            idx = torch.tensor(list(pre), dtype=torch.int64).to(dev, non_blocking=True)
+            guesses[idx] = torch.stack([p["guess"] for p in pre.values()]).to(torch.int32)
         # the one intentional device->host sync of the step
-        host = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None]], 1).cpu()
-        verify_s = time.perf_counter() - t0
+        host = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]], 1).cpu()
+        verify_s = time.perf_counter() - t0 - (pre_s if dev.type == "cpu" else 0.0)
         self.costs.add_verify(sum(query_lens), sum(seq_lens), verify_s)
         if draft.seconds and kmax:
             self.costs.add_draft(sum(1 for k in n if k), sum(seq_lens), draft.seconds / kmax)
-        return host[:, :-1].tolist(), host[:, -1].tolist(), verify_s
+        for b, p in pre.items():
+            p["guess"] = int(host[b, -1])
+        return host[:, :-2].tolist(), host[:, -2].tolist(), verify_s, pre
 
     # -- commit
-    def _commit(self, batch, ks, draft: _Draft, tokens, accepted, verify_s) -> None:
+    def _commit(self, batch, draft: _Draft, tokens, accepted, verify_s, pre: dict) -> None:
+        mgr = self.kv.manager
         for b, r in enumerate(batch):
             n = draft.num_draft_tokens[b]
             a = int(accepted[b])
             emitted = [int(t) for t in tokens[b][:a + 1]]
             L = r.context_len
             r.target_cached = L + a
+            hidden_s = extra_draft_s = 0.0
             if self.draft_kind == "model":
-                r.draft_cached = min(draft.fed_until[b], L + a)
+                fed = draft.fed_until[b]
+                p = pre.get(b)
+                if p is not None:
+                    extra_draft_s = p["seconds"]
+                    fed = p["fed_until"]
+                    self.metrics.record_overlap(used=False)
+                    if a == n and emitted[-1] == p["guess"]:   # the assumption held: keep the pre-draft
+                        r.policy_state["pre_draft"] = p
+                        hidden_s = p["seconds"] if self.device.type == "cuda" else 0.0
+                r.draft_cached = fed if "pre_draft" in r.policy_state else min(fed, L + a)
             elif self.draft_kind == "self":
                 r.draft_cached = r.target_cached
-            mgr = self.kv.manager
-            surplus = mgr.num_tokens(r.request_id) - r.target_cached
+            surplus = mgr.num_tokens(r.request_id) - max(r.target_cached, r.draft_cached)
             if surplus > 0:
                 self.kv.rollback(r.request_id, surplus)
             self.policy.observe(r, n, a)
-            share = draft.seconds * (n / max(sum(draft.num_draft_tokens), 1))
-            r.stats.record(n, a, len(emitted), share, verify_s / len(batch), 0.0)
-            self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_s / len(batch), 0.0)
+            share = draft.seconds * (n / max(sum(draft.num_draft_tokens), 1)) + extra_draft_s
+            r.stats.record(n, a, len(emitted), share, verify_s / len(batch), hidden_s)
+            self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_s / len(batch), hidden_s)
             self._append_tokens(r, emitted)
-            if not r.finished:
+            if r.finished:
+                r.policy_state.pop("pre_draft", None)
+            else:
                 committed = min(r.target_cached, r.draft_cached) if self.draft_kind == "model" else r.target_cached
                 self.kv.commit(r.request_id, r.token_ids[:committed])
 

@@ -117,6 +117,8 @@ class EngineMetrics:
         self.finished: dict[str, int] = {}
         self.preemptions = 0
         self.prompt_tokens = 0
+        self.pre_drafts_made = 0
+        self.pre_drafts_used = 0
 
     def record_step(self, tag: str, context_len: int, drafted: int, accepted: int, emitted: int,
                     draft_s: float, verify_s: float, hidden_s: float) -> None:
@@ -135,6 +137,14 @@ class EngineMetrics:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
             self.prompt_tokens += prompt_tokens
+
+    def record_overlap(self, used: bool) -> None:
+        """Overlap: a pre-draft was made (used=False) or consumed by the next round (used=True)."""
+        with self._lock:
+            if used:
+                self.pre_drafts_used += 1
+            else:
+                self.pre_drafts_made += 1
 
     def record_preemption(self) -> None:
         with self._lock:
@@ -158,6 +168,8 @@ class EngineMetrics:
                 "finished_requests": dict(self.finished),
                 "preemptions": self.preemptions,
                 "prompt_tokens": self.prompt_tokens,
+                "overlap_pre_drafts": self.pre_drafts_made,
+                "overlap_pre_drafts_used": self.pre_drafts_used,
             }
         snap["window"] = {"seconds": self.window_s, **self.window().summary()}
         return snap

@@ -61,8 +61,8 @@ def _as(t, name: str, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         t = torch.as_tensor(t)
     if t.is_floating_point() != dtype.is_floating_point:
-        kind = "floating-point" if dtype.is_floating_point else "integer"
-        raise TypeError(f"{name} must be a {kind} tensor ({dtype}), got {t.dtype}")
+        kind = "a floating-point" if dtype.is_floating_point else "an integer"
+        raise TypeError(f"{name} must be {kind} tensor ({dtype}), got {t.dtype}")
     if t.device != like.device:
         raise ValueError(f"{name} must be on {like.device} (like the other inputs), got {t.device}")
     return t.to(dtype).contiguous()

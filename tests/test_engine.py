@@ -83,6 +83,15 @@ def test_greedy_overlap_and_k(pair, ar_greedy, overlap):
     for k in (1, 2, 6):
         got = tokens(llm(pair, "model", max_draft_length=k, overlap=overlap).generate(PROMPTS, GREEDY))
         assert got == ar_greedy
+        # the target as its own draft: every draft and every bonus guess is right, so with overlap
+        # nearly every round runs on the pre-draft made while the previous round verified
+        eng = llm(pair, str(pair[0]), max_draft_length=k, overlap=overlap)
+        assert tokens(eng.generate(PROMPTS, GREEDY)) == ar_greedy
+        snap = eng.stats()
+        if overlap:
+            assert snap["overlap_pre_drafts_used"] >= 0.8 * snap["overlap_pre_drafts"] > 0
+        else:
+            assert snap["overlap_pre_drafts"] == 0
 
 
 def test_speculation_actually_accepts(pair):

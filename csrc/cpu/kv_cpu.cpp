@@ -25,6 +25,7 @@ void copy_blocks_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& bl
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t src = mapping[2 * i];
         const int64_t dst = mapping[2 * i + 1];
+        if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) continue;  // unchecked input: skip
         for (int64_t plane = 0; plane < planes; ++plane) {
           char* plane_base = base + plane * num_blocks * block_bytes;
           std::memcpy(plane_base + dst * block_bytes, plane_base + src * block_bytes,
@@ -46,10 +47,11 @@ void write_kv_cpu(at::Tensor& cache, int64_t layer, const at::Tensor& k, const a
   const char* k_ptr = static_cast<const char*>(k.data_ptr());
   const char* v_ptr = static_cast<const char*>(v.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = cache.size(2) * cache.size(3);
   at::parallel_for(0, tokens, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t slot = slots[t];
-      if (slot < 0) continue;
+      if (slot < 0 || slot >= num_slots) continue;  // padding, or an unchecked bad slot: skip
       // slot * slot_bytes == (slot / block_size) * block stride + (slot % block_size) * slot stride
       std::memcpy(layer_base + slot * slot_bytes, k_ptr + t * token_bytes, static_cast<size_t>(token_bytes));
       std::memcpy(layer_base + plane_bytes + slot * slot_bytes, v_ptr + t * token_bytes,

@@ -159,7 +159,8 @@ void verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_
     return argmax_chunk(logits + row * vocab, lo, hi);
   });
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t n = n_draft[b];
+    // unchecked inputs stay in bounds: counts clamped to [0, K]; a bad id never equals an argmax
+    const int64_t n = std::clamp<int64_t>(n_draft[b], 0, k1 - 1);
     int64_t i = 0;
     while (i < n && draft[b * (k1 - 1) + i] == unpack_argmax_index(best[b * k1 + i])) ++i;
     for (int64_t j = 0; j < k1; ++j) out[b * k1 + j] = j <= i ? unpack_argmax_index(best[b * k1 + j]) : -1;
@@ -203,7 +204,7 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
         const int64_t b = active[a];
         const int32_t winner = race_winner(best[a]);
         out[b * k1 + i] = winner;
-        if (i < n_draft[b] && draft[b * k + i] == winner) {
+        if (i < std::clamp<int64_t>(n_draft[b], 0, k) && draft[b * k + i] == winner) {
           still.push_back(b);
         } else {
           n_acc[b] = static_cast<int32_t>(i);
@@ -218,10 +219,11 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
   std::vector<int64_t> first(static_cast<size_t>(batch));
   at::parallel_for(0, batch, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n = n_draft[b];
+      const int64_t n = std::clamp<int64_t>(n_draft[b], 0, k);  // unchecked inputs stay in bounds
       int64_t i = 0;
       for (; i < n; ++i) {
         const int32_t x = draft[b * k + i];
+        if (x < 0 || x >= vocab) break;  // an out-of-range draft id is rejected, never read
         const float p_x = p[(b * k1 + i) * vocab + x];
         const float q_x = q ? q[(b * k + i) * vocab + x] : 1.0f;
         const float u = uniform(static_cast<uint64_t>(seed[b]), pos[b] + i, kPurposeAccept, 0u);
@@ -245,7 +247,7 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
       const int64_t begin = c * kChunk;
       const int64_t end = std::min(vocab, begin + kChunk);
       const int64_t i = first[b];
-      const bool rejected = i < n_draft[b];
+      const bool rejected = i < std::clamp<int64_t>(n_draft[b], 0, k);
       const float* prow = p + (b * k1 + i) * vocab;
       const uint64_t s = static_cast<uint64_t>(seed[b]);
       if (!rejected) {
@@ -279,7 +281,7 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
       best_residual = std::max(best_residual, partial[2 * (b * chunks + c)]);
       best_p = std::max(best_p, partial[2 * (b * chunks + c) + 1]);
     }
-    const bool rejected = first[b] < n_draft[b];
+    const bool rejected = first[b] < std::clamp<int64_t>(n_draft[b], 0, k);
     out[b * k1 + first[b]] = race_winner(rejected && best_residual == 0 ? best_p : best_residual);
   }
 }
