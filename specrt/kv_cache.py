@@ -1,0 +1,545 @@
+"""Paged KV cache: block allocator, block tables, commit, rollback, copy-on-write, prefix sharing.
+
+One cache tensor per model: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+(index 0 = keys, 1 = values). Token position ``p`` of a request lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``; its *slot* is
+``block * block_size + offset``.
+
+``KVCacheManager`` does the bookkeeping only (no tensors). One block table per request
+serves the target AND the draft cache (same token positions), so one rollback or fork
+covers both; block copies it asks for must be applied to ALL caches at once
+(``PagedKVCache.apply_copies`` does that with a single ``ops.copy_blocks``).
+
+Prefix sharing: ``commit`` registers each full block of final tokens under a chained
+hash of the tokens (sha256 of the parent block's hash + the block's token ids);
+``allocate`` reuses such blocks for a new prompt. Blocks nobody references stay in the
+prefix table until their memory is needed (LRU eviction). Note a shared block holds the
+KV of every cache in the PagedKVCache, so every model must have written those positions
+before ``commit`` registers them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable
+
+import torch
+
+if TYPE_CHECKING:  # models/ sits above kv_cache in the layer order: no runtime import
+    from specrt.models.config import ModelConfig
+
+try:  # the compiled kernels (specrt.ops is the only importer of specrt._C)
+    from specrt import ops as _ops
+    if not (hasattr(_ops, "write_kv") and hasattr(_ops, "copy_blocks")):
+        _ops = None
+except Exception:  # noqa: BLE001 - not built yet / import error: use the pure-torch fallback below
+    _ops = None
+
+
+# ----------------------------------------------------------------------------- kernels (with fallback)
+def _write_kv_torch(cache, layer, k, v, slot_mapping):
+    num_blocks, block_size = cache.shape[2], cache.shape[3]
+    flat_k = cache[layer, 0].view(num_blocks * block_size, *cache.shape[4:])
+    flat_v = cache[layer, 1].view(num_blocks * block_size, *cache.shape[4:])
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]  # boolean indexing syncs; fallback path only
+    flat_k[slots] = k[valid].to(cache.dtype)
+    flat_v[slots] = v[valid].to(cache.dtype)
+
+
+def _copy_blocks_torch(caches, block_mapping):
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in caches:
+        cache[:, :, dst] = cache[:, :, src]
+
+
+def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, kv_heads, D] into ``cache[layer]`` at ``slot_mapping`` [T] (-1 = skip)."""
+    if _ops is not None:
+        _ops.write_kv(cache, layer, k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), slot_mapping)
+    else:
+        _write_kv_torch(cache, layer, k, v, slot_mapping)
+
+
+def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer of every cache."""
+    if block_mapping.numel() == 0:
+        return
+    if _ops is not None:
+        _ops.copy_blocks(caches, block_mapping)
+    else:
+        _copy_blocks_torch(caches, block_mapping)
+
+
+# ----------------------------------------------------------------------------- attention metadata
+@dataclass
+class AttentionMetadata:
+    """One forward call over a mixed batch of B requests, T new tokens in all.
+
+    Request b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of the
+    flattened batch; they sit at positions ``seq_lens[b] - query_lens[b] .. seq_lens[b] - 1``.
+    """
+    query_start_loc: torch.Tensor  # [B+1] int64 cumulative query lengths
+    seq_lens: torch.Tensor         # [B] int64 context length INCLUDING this call's new tokens
+    block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor     # [T] int64 slot of each new token (-1 = padding, not written)
+    query_lens_host: list[int]     # [B] host copy: the torch attention path never syncs
+    seq_lens_host: list[int]       # [B] host copy
+    block_size: int
+    query_lens: torch.Tensor | None = None         # [B] int64
+    token_request_ids: torch.Tensor | None = None  # [T] int64 request index of each row
+    token_query_idx: torch.Tensor | None = None    # [T] int64 index of each row within its request
+    scratch: dict = field(default_factory=dict, repr=False)  # per-call cache (attention masks), reused across layers
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @staticmethod
+    def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device=None, max_model_len: int | None = None) -> "AttentionMetadata":
+        """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
+
+        ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
+        Raises ValueError on inconsistent lengths, too-short block tables, or a request longer
+        than ``max_model_len`` (when given).
+        """
+        B = len(seq_lens)
+        if len(query_lens) != B or len(block_tables) != B:
+            raise ValueError(f"seq_lens ({B}), query_lens ({len(query_lens)}) and block_tables "
+                             f"({len(block_tables)}) must have one entry per request")
+        if B == 0:
+            raise ValueError("AttentionMetadata.build: empty batch")
+        slots: list[int] = []
+        req_ids: list[int] = []
+        q_idx: list[int] = []
+        for b, (s, q, bt) in enumerate(zip(seq_lens, query_lens, block_tables)):
+            if q < 1 or q > s:
+                raise ValueError(f"request {b}: query_len={q} must be in [1, seq_len={s}]")
+            if max_model_len is not None and s > max_model_len:
+                raise ValueError(f"request {b}: {s} tokens exceed the model's context of {max_model_len} tokens")
+            need = -(-s // block_size)
+            if len(bt) < need or any(x < 0 for x in bt[:need]):
+                raise ValueError(f"request {b}: block table has {len(bt)} blocks ({bt[:need]}), "
+                                 f"{need} needed for {s} tokens with block_size={block_size}")
+            for p in range(s - q, s):
+                slots.append(bt[p // block_size] * block_size + p % block_size)
+            req_ids.extend([b] * q)
+            q_idx.extend(range(q))
+        max_blocks = max(len(bt) for bt in block_tables)
+        bt_pad = [list(bt) + [-1] * (max_blocks - len(bt)) for bt in block_tables]
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+
+        def t(x, dtype):  # host -> device copies only, never device -> host
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            query_start_loc=t(qsl, torch.int64),
+            seq_lens=t(list(seq_lens), torch.int64),
+            block_tables=t(bt_pad, torch.int32).view(B, max_blocks),
+            slot_mapping=t(slots, torch.int64),
+            query_lens_host=[int(q) for q in query_lens],
+            seq_lens_host=[int(s) for s in seq_lens],
+            block_size=block_size,
+            query_lens=t(list(query_lens), torch.int64),
+            token_request_ids=t(req_ids, torch.int64),
+            token_query_idx=t(q_idx, torch.int64),
+        )
+
+    def ensure_derived(self) -> None:
+        """Fill the derived per-token index tensors if the metadata was constructed by hand."""
+        if self.token_request_ids is None:
+            dev = self.seq_lens.device
+            self.query_lens = torch.tensor(self.query_lens_host, dtype=torch.int64).to(dev)
+            self.token_request_ids = torch.tensor(
+                [b for b, q in enumerate(self.query_lens_host) for _ in range(q)], dtype=torch.int64).to(dev)
+            self.token_query_idx = torch.tensor(
+                [i for q in self.query_lens_host for i in range(q)], dtype=torch.int64).to(dev)
+
+
+# ----------------------------------------------------------------------------- block manager
+class OutOfBlocksError(RuntimeError):
+    """Not enough free KV blocks; nothing was changed. Queue or preempt and retry."""
+
+
+@dataclass
+class _Request:
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of committed full blocks
+
+
+_ROOT_HASH = b"specrt-prefix-root"
+
+
+def _block_hash(parent: bytes, tokens) -> bytes:
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class KVCacheManager:
+    """Block bookkeeping for a paged KV cache (no tensors).
+
+    A request's ``num_tokens`` is the number of positions that have a slot (written or about
+    to be written). Out of blocks is a return value (``None`` / ``False``) for ``allocate`` and
+    ``append_slots`` and an ``OutOfBlocksError`` for ``fork`` / ``prepare_write``; in every case
+    nothing is half-done.
+
+    Copy-on-write: block copies the caller must apply (with ``copy_blocks`` over ALL model
+    caches at once) are returned by ``fork`` and ``prepare_write``; ``append_slots`` queues
+    the copies it needs in ``pending_copies`` (take them with ``pop_pending_copies``) — it
+    only needs any after a rollback into a block shared with another request.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_sharing: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_sharing = enable_prefix_sharing
+        self._ref = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU: evict first
+        self._hash_of_block: dict[int, bytes] = {}
+        self._block_of_hash: dict[bytes, int] = {}
+        self._reqs: dict[Hashable, _Request] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # -- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+
+    def block_table(self, request_id) -> list[int]:
+        return list(self._req(request_id).block_table)
+
+    def num_tokens(self, request_id) -> int:
+        return self._req(request_id).num_tokens
+
+    def has_request(self, request_id) -> bool:
+        return request_id in self._reqs
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def _req(self, request_id) -> _Request:
+        try:
+            return self._reqs[request_id]
+        except KeyError:
+            raise KeyError(f"unknown request {request_id!r}") from None
+
+    # -- block primitives
+    def _take_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash_of_block.pop(block, None)
+        if h is not None:
+            del self._block_of_hash[h]
+        self._ref[block] = 1
+        return block
+
+    def _incref(self, block: int) -> None:
+        if self._ref[block] == 0:
+            del self._free[block]  # revive a cached prefix block
+        self._ref[block] += 1
+
+    def _decref(self, block: int) -> None:
+        self._ref[block] -= 1
+        assert self._ref[block] >= 0, f"block {block} refcount below zero"
+        if self._ref[block] == 0:
+            self._free[block] = None
+            if block not in self._hash_of_block:
+                self._free.move_to_end(block, last=False)  # nothing to keep: reuse first
+
+    def _unregister(self, block: int) -> None:
+        h = self._hash_of_block.pop(block, None)
+        if h is not None:
+            del self._block_of_hash[h]
+
+    # -- lifecycle
+    def allocate(self, request_id, token_ids: list[int]) -> int | None:
+        """Reserve blocks for a prompt; returns how many leading tokens are already cached
+        (prefill may skip them; always < len(token_ids)), or None if out of blocks."""
+        if request_id in self._reqs:
+            raise ValueError(f"request {request_id!r} already has blocks")
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("allocate: empty prompt")
+        bs = self.block_size
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if self.enable_prefix_sharing:
+            parent = _ROOT_HASH
+            for i in range((n - 1) // bs):  # never the block holding the last token: it must be computed
+                h = _block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+                blk = self._block_of_hash.get(h)
+                if blk is None:
+                    break
+                hits.append(blk)
+                hashes.append(h)
+                parent = h
+        fresh = self.blocks_needed(n) - len(hits)
+        revived = sum(1 for b in hits if self._ref[b] == 0)
+        if fresh + revived > self.num_free_blocks:
+            return None
+        for b in hits:
+            self._incref(b)
+        table = hits + [self._take_free() for _ in range(fresh)]
+        self._reqs[request_id] = _Request(block_table=table, num_tokens=n, block_hashes=hashes)
+        return len(hits) * bs
+
+    def can_append_slots(self, request_id, num_tokens: int) -> bool:
+        """Would ``append_slots(request_id, num_tokens)`` succeed now? (no change)"""
+        req = self._req(request_id)
+        start, end = req.num_tokens, req.num_tokens + num_tokens
+        new = self.blocks_needed(end) - len(req.block_table)
+        shared = self._shared_blocks_in(req, start, min(end, len(req.block_table) * self.block_size))
+        return max(new, 0) + len(shared) <= self.num_free_blocks
+
+    def append_slots(self, request_id, num_tokens: int) -> bool:
+        """Make room for ``num_tokens`` more positions; False (nothing changed) if out of blocks."""
+        req = self._req(request_id)
+        if num_tokens < 0:
+            raise ValueError(f"append_slots: num_tokens={num_tokens} < 0")
+        start, end = req.num_tokens, req.num_tokens + num_tokens
+        new = self.blocks_needed(end) - len(req.block_table)
+        shared = self._shared_blocks_in(req, start, min(end, len(req.block_table) * self.block_size))
+        if max(new, 0) + len(shared) > self.num_free_blocks:
+            return False
+        self.pending_copies.extend(self._copy_on_write(req, shared))
+        for _ in range(new):
+            req.block_table.append(self._take_free())
+        req.num_tokens = end
+        return True
+
+    def pop_pending_copies(self) -> list[tuple[int, int]]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    def commit(self, request_id, token_ids: list[int]) -> None:
+        """``token_ids`` (the request's full sequence so far) is final: register its full blocks
+        for prefix sharing. Only positions that have a slot (< num_tokens, whose KV the caller has
+        written) count, so passing a sampled-but-not-yet-fed last token is fine."""
+        req = self._req(request_id)
+        if not self.enable_prefix_sharing:
+            return
+        bs = self.block_size
+        parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
+        for i in range(len(req.block_hashes), min(len(token_ids), req.num_tokens) // bs):
+            h = _block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            blk = req.block_table[i]
+            if h not in self._block_of_hash and blk not in self._hash_of_block:
+                self._block_of_hash[h] = blk
+                self._hash_of_block[blk] = h
+            req.block_hashes.append(h)
+            parent = h
+
+    def rollback(self, request_id, num_tokens: int) -> None:
+        """Drop the last ``num_tokens`` positions (no copy); frees blocks no longer used."""
+        req = self._req(request_id)
+        if not 0 <= num_tokens <= req.num_tokens:
+            raise ValueError(f"rollback: num_tokens={num_tokens} not in [0, {req.num_tokens}]")
+        req.num_tokens -= num_tokens
+        keep = self.blocks_needed(req.num_tokens)
+        for blk in req.block_table[keep:]:
+            self._decref(blk)
+        del req.block_table[keep:]
+        full = req.num_tokens // self.block_size
+        if len(req.block_hashes) > full:
+            # the block at index `full` will be rewritten: if it is ours alone, its hash is stale now
+            if full < len(req.block_table) and self._ref[req.block_table[full]] == 1:
+                self._unregister(req.block_table[full])
+            del req.block_hashes[full:]
+
+    def fork(self, parent_id, child_id) -> list[tuple[int, int]]:
+        """Copy-on-write fork: the child shares all the parent's full blocks; the partially
+        filled last block is copied now. Returns the (src, dst) copies to apply to every
+        cache before either request writes again. Raises OutOfBlocksError (nothing changed)."""
+        if child_id in self._reqs:
+            raise ValueError(f"fork: request {child_id!r} already exists")
+        par = self._req(parent_id)
+        partial = par.num_tokens % self.block_size != 0
+        if partial and self.num_free_blocks < 1:
+            raise OutOfBlocksError(f"fork {parent_id!r} -> {child_id!r}: no free block for the partial last block")
+        table = list(par.block_table)
+        copies = []
+        for blk in table[:-1] if partial else table:
+            self._incref(blk)
+        if partial:
+            dst = self._take_free()
+            copies.append((table[-1], dst))
+            table[-1] = dst
+        self._reqs[child_id] = _Request(block_table=table, num_tokens=par.num_tokens,
+                                        block_hashes=list(par.block_hashes))
+        return copies
+
+    def prepare_write(self, request_id, start_pos: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Before writing positions ``start_pos .. start_pos+num_tokens-1``: give the request its
+        own copy of every block there that is shared (refcount > 1). Returns (src, dst) copies
+        to apply with ONE copy_blocks over all caches. Raises OutOfBlocksError (nothing changed)."""
+        req = self._req(request_id)
+        end = min(start_pos + num_tokens, len(req.block_table) * self.block_size)
+        shared = self._shared_blocks_in(req, start_pos, end)
+        if len(shared) > self.num_free_blocks:
+            raise OutOfBlocksError(f"prepare_write {request_id!r}: {len(shared)} blocks to copy, "
+                                   f"{self.num_free_blocks} free")
+        return self._copy_on_write(req, shared)
+
+    def _shared_blocks_in(self, req: _Request, start: int, end: int) -> list[int]:
+        if end <= start:
+            return []
+        bs = self.block_size
+        return [i for i in range(start // bs, (end - 1) // bs + 1) if self._ref[req.block_table[i]] > 1]
+
+    def _copy_on_write(self, req: _Request, indices: list[int]) -> list[tuple[int, int]]:
+        copies = []
+        for i in indices:
+            src = req.block_table[i]
+            dst = self._take_free()
+            self._decref(src)
+            req.block_table[i] = dst
+            copies.append((src, dst))
+            del req.block_hashes[i:]  # the copy is about to be rewritten
+        return copies
+
+    def free(self, request_id) -> None:
+        """Return every block of the request (ref-counted); unknown ids are ignored (cancel is idempotent)."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return
+        for blk in reversed(req.block_table):  # tail blocks are evicted before the shared prefix
+            self._decref(blk)
+
+
+# ----------------------------------------------------------------------------- tensors
+def allocate_kv_cache(config: "ModelConfig", num_blocks: int, block_size: int, dtype, device,
+                      num_layers: int | None = None) -> torch.Tensor:
+    """Zeroed cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    layers = config.num_layers if num_layers is None else num_layers
+    return torch.zeros(layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+                       dtype=dtype, device=device)
+
+
+def kv_bytes_per_block(configs: list["ModelConfig"], block_size: int, dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * elem for c in configs)
+
+
+def _available_memory(device) -> int:
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_blocks_for_budget(configs: list["ModelConfig"], block_size: int, dtype, budget: int | float, device) -> int:
+    """How many blocks fit a budget: bytes (int) or a fraction in (0, 1] (float) of the free memory
+    of ``device`` (CUDA: ``mem_get_info``; CPU: MemAvailable). Every block holds all ``configs``'
+    layers (target + draft share block ids). Raises ValueError if not even one block fits."""
+    per_block = kv_bytes_per_block(configs, block_size, dtype)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"memory budget fraction must be in (0, 1], got {budget}")
+        nbytes = int(_available_memory(device) * budget)
+    else:
+        nbytes = int(budget)
+    n = nbytes // per_block
+    if n < 1:
+        raise ValueError(f"KV cache budget of {nbytes} bytes holds no block ({per_block} bytes per block)")
+    return n
+
+
+class PagedKVCache:
+    """A KVCacheManager plus one cache tensor per model, e.g. {"target": T, "draft": D}.
+
+    Every copy-on-write copy is applied with one ``copy_blocks`` over all caches.
+    """
+
+    def __init__(self, configs: dict[str, "ModelConfig"], num_blocks: int, block_size: int = 16,
+                 dtype=torch.float32, device="cpu", enable_prefix_sharing: bool = True,
+                 num_layers: dict[str, int] | None = None):
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_sharing)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        num_layers = num_layers or {}
+        self.caches: dict[str, torch.Tensor] = {
+            name: allocate_kv_cache(cfg, num_blocks, block_size, dtype, device, num_layers.get(name))
+            for name, cfg in configs.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.caches[name]
+
+    def apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            mapping = torch.tensor(copies, dtype=torch.int64)  # [P, 2] on the host: ops validates it there
+            copy_blocks(list(self.caches.values()), mapping)
+
+    # delegation (copies applied immediately)
+    def allocate(self, request_id, token_ids: list[int]) -> int | None:
+        return self.manager.allocate(request_id, token_ids)
+
+    def can_append_slots(self, request_id, num_tokens: int) -> bool:
+        """Would ``append_slots(request_id, num_tokens)`` succeed now? (no change)"""
+        req = self._req(request_id)
+        start, end = req.num_tokens, req.num_tokens + num_tokens
+        new = self.blocks_needed(end) - len(req.block_table)
+        shared = self._shared_blocks_in(req, start, min(end, len(req.block_table) * self.block_size))
+        return max(new, 0) + len(shared) <= self.num_free_blocks
+
+    def append_slots(self, request_id, num_tokens: int) -> bool:
+        ok = self.manager.append_slots(request_id, num_tokens)
+        self.apply_copies(self.manager.pop_pending_copies())
+        return ok
+
+    def commit(self, request_id, token_ids: list[int]) -> None:
+        self.manager.commit(request_id, token_ids)
+
+    def rollback(self, request_id, num_tokens: int) -> None:
+        self.manager.rollback(request_id, num_tokens)
+
+    def fork(self, parent_id, child_id) -> None:
+        self.apply_copies(self.manager.fork(parent_id, child_id))
+
+    def prepare_write(self, request_id, start_pos: int, num_tokens: int) -> None:
+        self.apply_copies(self.manager.prepare_write(request_id, start_pos, num_tokens))
+
+    def free(self, request_id) -> None:
+        self.manager.free(request_id)
+
+    def block_table(self, request_id) -> list[int]:
+        return self.manager.block_table(request_id)
+
+    def num_tokens(self, request_id) -> int:
+        return self.manager.num_tokens(request_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
+
+    def metadata(self, request_ids: list, query_lens: list[int], max_model_len: int | None = None) -> AttentionMetadata:
+        """Metadata for a forward over the last ``query_lens[i]`` positions of each request."""
+        seq_lens = [self.manager.num_tokens(r) for r in request_ids]
+        tables = [self.manager._req(r).block_table for r in request_ids]
+        return AttentionMetadata.build(seq_lens, query_lens, tables, self.block_size, self.device, max_model_len)

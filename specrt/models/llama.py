@@ -1,0 +1,409 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+
+Module and parameter names mirror transformers (``model.layers.0.self_attn.q_proj.weight``,
+...) so a checkpoint's state dict loads as is. The numerics follow transformers too
+(RMSNorm in fp32, RoPE cos/sin in fp32 cast to the activation dtype, lm_head in the
+model dtype, logits returned as float32), so fp32 logits match to ~1e-6.
+
+Attention is the torch path: K/V are written with ``write_kv`` and read back through the
+block table, then ``F.scaled_dot_product_attention`` with the right causal offsets. Per
+forward the requests split into three groups (decided from host-side lengths, no
+device->host sync):
+  * fresh prefills (no earlier context): attend over their own new K/V, ``is_causal``;
+  * everything else (decode, K+1 verify, chunks after a cached prefix): ONE padded batch
+    ``[B, max_q]`` x ``[B, max_ctx]`` with a boolean mask — except chunks longer than
+    _LONG_QUERY tokens that would make the padded batch > 4x the useful work: those run
+    alone (one gather + SDPA each).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrt.kv_cache import AttentionMetadata, write_kv
+from specrt.models.config import ModelConfig
+
+_LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan)
+
+_ACTS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding:
+    """RoPE tables: default, "linear", "dynamic" (NTK, per call) and "llama3" scaling."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.dim = config.head_dim
+        self.scaling = config.rope_scaling or {}
+        self.rope_type = self.scaling.get("rope_type", "default")
+        self._cache: dict = {}
+
+    def _base_inv_freq(self, base: float, device) -> torch.Tensor:
+        d = self.dim
+        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / d))
+
+    def inv_freq(self, device, seq_len: int) -> torch.Tensor:
+        cfg, s, base = self.config, self.scaling, self.config.rope_theta
+        if self.rope_type == "dynamic":
+            max_pos = cfg.max_position_embeddings
+            seq_len = max(seq_len, max_pos)
+            key = (str(device), seq_len)
+            if key not in self._cache:
+                factor, d = s["factor"], self.dim
+                base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (d / (d - 2))
+                self._cache[key] = self._base_inv_freq(base, device)
+            return self._cache[key]
+        key = str(device)
+        if key in self._cache:
+            return self._cache[key]
+        inv = self._base_inv_freq(base, device)
+        if self.rope_type == "linear":
+            inv = inv / s["factor"]
+        elif self.rope_type == "llama3":
+            factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+            old_ctx = s["original_max_position_embeddings"]
+            low_wavelen, high_wavelen = old_ctx / lo, old_ctx / hi
+            wavelen = 2 * math.pi / inv
+            inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (old_ctx / wavelen - lo) / (hi - lo)
+            smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+            medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+            inv = torch.where(medium, smoothed, inv_l)
+        self._cache[key] = inv
+        return inv
+
+    def cos_sin(self, positions: torch.Tensor, dtype, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self.inv_freq(positions.device, seq_len)
+        freqs = positions[:, None].float() * inv  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]; cos/sin [T, D]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+# ----------------------------------------------------------------------------- attention plan
+class _Plan:
+    """How one AttentionMetadata's requests are grouped (host lists only; built once per call)."""
+
+    def __init__(self, meta: AttentionMetadata):
+        meta.ensure_derived()
+        bs = meta.block_size
+        dev = meta.seq_lens.device
+        qls, sls = meta.query_lens_host, meta.seq_lens_host
+        starts = [0]
+        for q in qls:
+            starts.append(starts[-1] + q)
+        self.fresh: list[tuple[int, int, int]] = []  # (request, row start, q)
+        self.long: list[tuple[int, int, int, int]] = []  # (request, row start, q, seq_len)
+        rest: list[int] = []
+        for b, (q, s) in enumerate(zip(qls, sls)):
+            if q == s and q > 1:
+                self.fresh.append((b, starts[b], q))
+            else:
+                rest.append(b)
+        # pad the rest into one batch unless a long chunk would mostly pad it: then it runs alone
+        rest.sort(key=lambda b: qls[b])
+        while len(rest) > 1 and qls[rest[-1]] > _LONG_QUERY:
+            padded = len(rest) * qls[rest[-1]] * max(sls[b] for b in rest)
+            useful = sum(qls[b] * sls[b] for b in rest)
+            if padded <= 4 * useful:
+                break
+            b = rest.pop()
+            self.long.append((b, starts[b], qls[b], sls[b]))
+        batched = sorted(rest)
+        self.num_rows = starts[-1]
+        self.batched = batched
+        self.all_batched = len(batched) == len(qls)
+        if batched:
+            self.max_q = max(qls[b] for b in batched)
+            self.max_s = max(sls[b] for b in batched)
+            self.num_blocks = -(-self.max_s // bs)
+            if self.all_batched:
+                self.rows = None  # every row, in order
+                self.req = meta.token_request_ids
+                self.qi = meta.token_query_idx
+                self.block_tables = meta.block_tables[:, : self.num_blocks]
+                q_lens, s_lens = meta.query_lens, meta.seq_lens
+            else:
+                rows, req, qi = [], [], []
+                for j, b in enumerate(batched):
+                    rows.extend(range(starts[b], starts[b] + qls[b]))
+                    req.extend([j] * qls[b])
+                    qi.extend(range(qls[b]))
+
+                def t(x):
+                    return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+
+                self.rows, self.req, self.qi = t(rows), t(req), t(qi)
+                sel = t(batched)
+                self.block_tables = meta.block_tables[sel, : self.num_blocks]
+                q_lens, s_lens = t([qls[b] for b in batched]), t([sls[b] for b in batched])
+            self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
+            ctx = self.num_blocks * bs
+            i = torch.arange(self.max_q, device=dev)
+            # position of query i of request b; padded query rows reuse the last position (never fully masked)
+            self.q_pos = torch.minimum((s_lens - q_lens)[:, None] + i, (s_lens - 1)[:, None])  # [B, max_q]
+            self.k_pos = torch.arange(ctx, device=dev)
+        self._masks: dict = {}
+
+    def batched_mask(self, window: int | None) -> torch.Tensor:
+        key = ("batched", window)
+        if key not in self._masks:
+            qp = self.q_pos[:, :, None]
+            m = self.k_pos <= qp  # [B, max_q, ctx]
+            if window is not None:
+                m = m & (self.k_pos > qp - window)
+            self._masks[key] = m[:, None]  # [B, 1, max_q, ctx]
+        return self._masks[key]
+
+    def mask(self, key, q: int, s: int, window: int | None, device) -> torch.Tensor | None:
+        """[q, s] mask for queries at positions s-q..s-1 over keys 0..s-1 (None = plain causal, q == s)."""
+        if window is None and q == s:
+            return None
+        key = (key, window)
+        if key not in self._masks:
+            qp = torch.arange(s - q, s, device=device)[:, None]
+            kp = torch.arange(s, device=device)
+            m = kp <= qp
+            if window is not None:
+                m = m & (kp > qp - window)
+            self._masks[key] = m
+        return self._masks[key]
+
+
+def _plan(meta: AttentionMetadata) -> _Plan:
+    plan = meta.scratch.get("llama_plan")
+    if plan is None:
+        plan = meta.scratch["llama_plan"] = _Plan(meta)
+    return plan
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention of the new tokens over their requests' paged context.
+
+    q [T, H, D]; k/v [T, Hkv, D] (this call's, already written to the cache);
+    layer_cache [2, num_blocks, block_size, Hkv, D]. Returns [T, H, D].
+    """
+    plan = _plan(meta)
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    bs = layer_cache.shape[2]
+    gqa = H != Hkv
+    if T > plan.num_rows:  # trailing padding rows (slot -1) belong to no request: zeros
+        out = q.new_zeros(T, H, D)
+    elif plan.all_batched and not plan.fresh and not plan.long:
+        out = None
+    else:
+        out = q.new_empty(T, H, D)
+
+    for b, start, n in plan.fresh:  # [1, H, n, D] over its own new K/V
+        qs = q[start:start + n].transpose(0, 1)[None]
+        ks = k[start:start + n].transpose(0, 1)[None]
+        vs = v[start:start + n].transpose(0, 1)[None]
+        m = plan.mask(("fresh", b), n, n, window, q.device)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=m is None, scale=scale, enable_gqa=gqa)
+        out[start:start + n] = o[0].transpose(0, 1)
+
+    for b, start, n, s in plan.long:  # one request: gather its blocks
+        nb = -(-s // bs)
+        blocks = meta.block_tables[b, :nb].long()
+        kc = layer_cache[0, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
+        vc = layer_cache[1, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
+        qs = q[start:start + n].transpose(0, 1)[None]
+        m = plan.mask(("long", b), n, s, window, q.device)
+        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=m, scale=scale, enable_gqa=gqa)
+        out[start:start + n] = o[0].transpose(0, 1)
+
+    if plan.batched:
+        Bg, nb = plan.block_tables.shape
+        kc = layer_cache[0][plan.block_tables].reshape(Bg, nb * bs, Hkv, D).to(q.dtype).transpose(1, 2)
+        vc = layer_cache[1][plan.block_tables].reshape(Bg, nb * bs, Hkv, D).to(q.dtype).transpose(1, 2)
+        q_rows = q if plan.rows is None else q[plan.rows]
+        if plan.rows is None and T > plan.num_rows:
+            q_rows = q[: plan.num_rows]
+        if plan.max_q == 1:
+            qp = q_rows.view(Bg, 1, H, D)
+        else:
+            qp = q.new_zeros(Bg, plan.max_q, H, D)
+            qp[plan.req, plan.qi] = q_rows
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc, vc, attn_mask=plan.batched_mask(window),
+                                           scale=scale, enable_gqa=gqa).transpose(1, 2)  # [B, max_q, H, D]
+        o_rows = o.reshape(Bg, H, D) if plan.max_q == 1 else o[plan.req, plan.qi]
+        if out is None:
+            return o_rows
+        if plan.rows is None:
+            out[: plan.num_rows] = o_rows
+        else:
+            out[plan.rows] = o_rows
+    return out
+
+
+# ----------------------------------------------------------------------------- modules
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.window = config.layer_window(layer_idx)
+        self.attn_fp32 = True  # LlamaForCausalLM.set_attention_fp32 toggles it
+        hd = config.hidden_size
+        self.q_proj = nn.Linear(hd, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hd, bias=config.o_proj_bias)
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
+        if self.attn_fp32 and q.dtype != torch.float32:
+            # fp32 attention for half models: more accurate, and (nearly) independent of how the batch
+            # is padded, so verify / decode / batched logits agree (greedy speculative == plain greedy)
+            q, k, v = q.float(), k.float(), v.float()
+        o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window)  # [T, H, D]
+        return self.o_proj(o.to(x.dtype).reshape(T, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hd, it, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hd, it, bias=bias)
+        self.up_proj = nn.Linear(hd, it, bias=bias)
+        self.down_proj = nn.Linear(it, hd, bias=bias)
+        self.act = _ACTS[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Mistral causal LM over a paged KV cache (see module docstring)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def set_attention_fp32(self, enabled: bool) -> None:
+        """bf16/fp16 models compute attention in float32 by default (see LlamaAttention.forward);
+        False computes it in the model dtype like transformers does."""
+        for layer in self.model.layers:
+            layer.self_attn.attn_fp32 = enabled
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, num_layers: int | None = None,
+                logits_indices: torch.Tensor | None = None,
+                return_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step over a mixed batch.
+
+        input_ids [T] int64 (all requests' new tokens concatenated, in request order);
+        positions [T] int64 absolute positions (== seq_len - query_len + i per request);
+        kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim] — written at meta.slot_mapping;
+        num_layers: run only the first N layers + final norm + lm_head (self-speculative draft);
+        logits_indices [L]: rows to compute logits for (default all T).
+        Returns (logits [L, V] float32, final-normed hidden [L, hidden] or None).
+        """
+        cfg = self.config
+        n = cfg.num_layers if num_layers is None else int(num_layers)
+        if not 1 <= n <= cfg.num_layers:
+            raise ValueError(f"num_layers={num_layers} must be in [1, {cfg.num_layers}]")
+        T = input_ids.shape[0]
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             f"must both be [T]")
+        if T < meta.num_tokens or meta.slot_mapping.shape[0] != T:
+            raise ValueError(f"input_ids has {T} tokens, slot_mapping {meta.slot_mapping.shape[0]}, but the metadata "
+                             f"describes {meta.num_tokens} (rows beyond that must be padding with slot -1)")
+        exp = (cfg.num_kv_heads, cfg.head_dim)
+        if kv_cache.dim() != 6 or kv_cache.shape[0] < n or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[4:]) != exp:
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)}: expected [>={n} layers, 2, num_blocks, block_size, "
+                             f"{exp[0]}, {exp[1]}]")
+        if kv_cache.shape[3] != meta.block_size:
+            raise ValueError(f"kv_cache block_size {kv_cache.shape[3]} != metadata block_size {meta.block_size}")
+        max_seq = max(meta.seq_lens_host)
+        if max_seq > cfg.max_model_len:
+            raise ValueError(f"a request has {max_seq} tokens, longer than the model's context of "
+                             f"{cfg.max_model_len} tokens")
+
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, max_seq)  # [T, D]
+        for layer in self.model.layers[:n]:
+            x = layer(x, cos, sin, meta, kv_cache)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        h = self.model.norm(x)  # [L, hidden]
+        logits = self.lm_head(h).float()  # [L, V]
+        return logits, (h if return_hidden else None)
