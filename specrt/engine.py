@@ -84,7 +84,7 @@ class LLMEngine:
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         target_path = resolve_model_path(target, "target")
-        self.target = load_model(target_path, dtype=dtype, device=self.device)
+        self.target = self._load_model(target_path, dtype)
         self.tokenizer = load_tokenizer(target_path)
         self.generation_config = load_generation_config(target_path)
         self.vocab_size = self.target.config.vocab_size
@@ -113,7 +113,7 @@ class LLMEngine:
         else:
             draft_path = resolve_model_path(draft, "draft")
             info = check_draft_compatible(target_path, draft_path)
-            self.draft_model = load_model(draft_path, dtype=dtype, device=self.device)
+            self.draft_model = self._load_model(draft_path, dtype)
             self.draft_vocab = info["shared_vocab_size"]
             self.draft_kind = "model"
             configs["draft"] = self.draft_model.config
@@ -142,6 +142,10 @@ class LLMEngine:
         self._finished_pending: list[Request] = []
 
     # ------------------------------------------------------------------ requests
+    def _load_model(self, path: Path, dtype):
+        """Load one model onto this engine's device (tensor parallelism overrides this to shard)."""
+        return load_model(path, dtype=dtype, device=self.device)
+
     def _load_accept_head(self, draft):
         if self.draft_kind != "model":
             raise ValueError("policy='head' needs a draft model with an acceptance head (accept_head/ beside it)")
