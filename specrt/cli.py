@@ -11,14 +11,27 @@ import argparse
 import sys
 import time
 
-DEMO_PROMPTS = None  # filled lazily from the held-out modules
 
+def _demo_prompts(n: int, context_lines: int = 12) -> list[tuple[str, str]]:
+    """Code-completion prompts from the built-in pair's held-out stdlib modules (never trained
+    on): the lines up to and including a ``def`` line and its docstring opening, spread evenly
+    over the modules. Deterministic for a given Python version."""
+    import re
 
-def _demo_prompts(n: int) -> list[tuple[str, str]]:
-    """Code-completion prompts cut from the built-in pair's held-out stdlib modules."""
-    from specrt.training.corpus import heldout_prompts
+    from specrt.training.corpus import split_files, read_text
 
-    return heldout_prompts(n)
+    _, heldout = split_files()
+    candidates: list[tuple[str, str]] = []
+    for f in heldout:
+        lines = read_text(f).splitlines()
+        for i, line in enumerate(lines):
+            if re.match(r"\s*def \w+\(.*\):\s*$", line) and i + 1 < len(lines) and '"""' in lines[i + 1]:
+                start = max(0, i - context_lines)
+                candidates.append((f"{f.relpath}:{i + 1}", "\n".join(lines[start:i + 2]) + "\n"))
+    if not candidates:
+        raise RuntimeError("no held-out stdlib modules found to build demo prompts from")
+    step = max(1, len(candidates) // n)
+    return candidates[::step][:n]
 
 
 def demo(argv: list[str] | None = None) -> int:
