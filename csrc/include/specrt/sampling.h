@@ -68,10 +68,11 @@ SPECRT_HOST_DEVICE float residual_weight(float p, float q) {
 // Leviathan/Chen acceptance test for draft token x: accept iff u * q(x) < p(x).
 SPECRT_HOST_DEVICE bool accept_draft(float u, float p_x, float q_x) { return u * q_x < p_x; }
 
-// Total order on floats for argmax: NaN sorts as -inf; -0.0 == +0.0 is not
-// needed (ties go to the lowest index either way).
+// Total order on floats for argmax: NaN sorts as -inf and -0.0 equals +0.0
+// (as torch.argmax sees them), so ties go to the lowest index.
 SPECRT_HOST_DEVICE uint32_t ordered_key(float x) {
   if (x != x) x = uint_as_float(0xff800000u);  // NaN -> -inf
+  if (x == 0.0f) x = 0.0f;                     // -0.0 -> +0.0
   const uint32_t bits = float_as_uint(x);
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
