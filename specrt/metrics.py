@@ -113,6 +113,7 @@ class EngineMetrics:
         self.total = RequestStats()
         self.by_tag: dict[str, RequestStats] = {}
         self.by_length: dict[str, RequestStats] = {}
+        self.by_group: dict[tuple[str, str], RequestStats] = {}   # (tag, length bucket): Prometheus series
         self._recent: deque[tuple[float, RequestStats]] = deque()
         self.finished: dict[str, int] = {}
         self.preemptions = 0
@@ -129,6 +130,7 @@ class EngineMetrics:
             self.total.merge(one)
             self.by_tag.setdefault(tag, RequestStats()).merge(one)
             self.by_length.setdefault(length_bucket(context_len), RequestStats()).merge(one)
+            self.by_group.setdefault((tag, length_bucket(context_len)), RequestStats()).merge(one)
             self._recent.append((now, one))
             while self._recent and now - self._recent[0][0] > self.window_s:
                 self._recent.popleft()
@@ -186,8 +188,8 @@ class EngineMetrics:
                 lines.append(f"{prefix}_{name}{{{lab}}} {value}" if lab else f"{prefix}_{name} {value}")
 
         with self._lock:
-            groups = [({"tag": t}, s) for t, s in sorted(self.by_tag.items())]
-            buckets = [({"length_bucket": b}, s) for b, s in sorted(self.by_length.items())]
+            # one series per (tag, length bucket): summing a family over its series counts each step once
+            groups = [({"tag": t, "length_bucket": b}, s) for (t, b), s in sorted(self.by_group.items())]
             total = self.total
             finished = dict(self.finished)
             preemptions = self.preemptions
@@ -195,14 +197,14 @@ class EngineMetrics:
                                   ("draft_tokens_total", "drafted", "Draft tokens proposed"),
                                   ("accepted_tokens_total", "accepted", "Draft tokens accepted"),
                                   ("emitted_tokens_total", "emitted", "Tokens emitted")):
-            metric(name, "counter", help_, [(lab, getattr(s, attr)) for lab, s in groups + buckets])
+            metric(name, "counter", help_, [(lab, getattr(s, attr)) for lab, s in groups])
         for name, key, help_ in (("mean_accepted_length", "mean_accepted_length", "Accepted drafts per step"),
                                  ("acceptance_rate", "draft_hit_rate", "Accepted / drafted"),
                                  ("tokens_per_target_forward", "tokens_per_target_forward",
                                   "Emitted tokens per target forward"),
                                  ("estimated_speedup", "estimated_speedup",
                                   "Estimated speedup over autoregressive decoding")):
-            metric(name, "gauge", help_, [(lab, s.summary()[key]) for lab, s in groups + buckets])
+            metric(name, "gauge", help_, [(lab, s.summary()[key]) for lab, s in groups])
         metric("position_acceptance_rate", "gauge", "Acceptance rate at each draft position",
                [({"position": str(i)}, a / d if d else 0.0)
                 for i, (a, d) in enumerate(zip(total.accepted_at, total.drafted_at))])

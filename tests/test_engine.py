@@ -309,6 +309,9 @@ def test_metrics_and_prometheus(pair):
     assert 0 <= tot["draft_hit_rate"] <= 1 and tot["tokens_per_target_forward"] >= 1
     assert len(tot["acceptance_rate_per_position"]) == 4
     text = eng.engine.metrics.prometheus()
-    assert 'specrt_draft_tokens_total{tag="code"}' in text
+    assert 'specrt_draft_tokens_total{tag="code",length_bucket="0-256"}' in text
+    steps = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("specrt_spec_steps_total{"))
+    assert steps == snap["total"]["steps"]          # every step counted once across the series
     assert "specrt_position_acceptance_rate{position=\"0\"}" in text
     assert "# TYPE specrt_emitted_tokens_total counter" in text
