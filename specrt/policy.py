@@ -132,6 +132,7 @@ class BudgetPolicy(DraftPolicy):
     A request whose expected gain does not pay for its cost gets K=0 (speculation off)."""
 
     name = "budget"
+    explore_every = 16
 
     def plan(self, requests, k_caps, costs=None):
         costs = costs or CostModel()
@@ -164,9 +165,17 @@ class BudgetPolicy(DraftPolicy):
                         choice, choice_val = (b, k), val
                 ks[b] = old
             if choice is None:
-                return ks
+                break
             ks[choice[0]] = choice[1]
             best = choice_val
+        # exploration: a request kept at K=0 stops producing acceptance evidence, so every
+        # `explore_every` steps it drafts one token to refresh its estimate
+        for b, r in enumerate(requests):
+            idle = r.policy_state.get("steps_without_draft", 0)
+            if ks[b] == 0 and k_caps[b] > 0 and idle >= self.explore_every:
+                ks[b] = 1
+            r.policy_state["steps_without_draft"] = 0 if ks[b] > 0 else idle + 1
+        return ks
 
 
 POLICY_CLASSES = {"fixed": FixedPolicy, "confidence": ConfidencePolicy, "head": HeadPolicy, "budget": BudgetPolicy}
