@@ -651,8 +651,16 @@ class LLM:
     """
 
     def __init__(self, target: str | Path = "builtin", draft: str | Path | None = None,
-                 spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None):
-        self.engine = LLMEngine(target, draft, spec, device, dtype, seed)
+                 spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None,
+                 tensor_parallel_size: int = 1):
+        if tensor_parallel_size != 1:
+            # the one upward import: specrt.distributed builds on LLMEngine and spawns the workers
+            from specrt.distributed import create_engine
+
+            self.engine = create_engine(target, draft, spec, device, dtype, seed,
+                                        tensor_parallel_size=tensor_parallel_size)
+        else:
+            self.engine = LLMEngine(target, draft, spec, device, dtype, seed)
         self.tokenizer = self.engine.tokenizer
 
     def _add_all(self, prompts, params, tags) -> list[str]:

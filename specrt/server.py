@@ -48,7 +48,6 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_TAGS = 64                     # distinct Prometheus tag values; later new tags become "other"
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TP_UNAVAILABLE = "tensor parallelism is not available in this build yet"
 
 
 # ----------------------------------------------------------------------------- errors
@@ -932,10 +931,6 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tensor_parallel_size > 1:
-        print(f"specrt serve: --tensor-parallel-size {args.tensor_parallel_size}: {TP_UNAVAILABLE}",
-              file=sys.stderr)
-        return 2
     if args.max_body_bytes < 1024:
         print("specrt serve: --max-body-bytes must be >= 1024", file=sys.stderr)
         return 2
@@ -952,11 +947,18 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     t0 = time.perf_counter()
+    engine = None
     try:
-        app = create_app(**kw, model_name=args.served_model_name, api_key=api_key,
-                         max_body_bytes=args.max_body_bytes, warmup=args.warmup)
+        if args.tensor_parallel_size > 1:   # the server spawns its own workers: no external launcher
+            from specrt.distributed import create_engine
+
+            engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
+        app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
+                         api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup)
     except ValueError as e:
         print(f"specrt serve: {e}", file=sys.stderr)
+        if engine is not None:
+            engine.close()
         return 2
     eng = app.state.specrt.engine
     logger.info("engine ready in %.1fs (speculative=%s, draft=%s, K=%d, policy=%s, acceptance=%s); "
@@ -966,8 +968,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("binding to %s without --api-key: anyone who can reach this address can use the server",
                        args.host)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                access_log=args.log_level == "debug")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    access_log=args.log_level == "debug")
+    finally:
+        if engine is not None:
+            engine.close()
     return 0
 
 

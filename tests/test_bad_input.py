@@ -271,9 +271,11 @@ _UNCHECKED = {
 
 
 @pytest.mark.parametrize("case", sorted(_UNCHECKED))
-def test_unchecked_cpu_kernels_never_crash(case):
+def test_unchecked_cpu_kernels_never_crash(case, tmp_path):
     import subprocess
     import sys
     code = "import torch\nfrom specrt import ops\n" + _UNCHECKED[case] + "\nprint('survived')"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # cwd outside the source tree: the child must import the installed specrt (with its _C)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
     assert proc.returncode == 0 and "survived" in proc.stdout, (case, proc.returncode, proc.stderr[-500:])

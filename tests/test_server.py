@@ -508,7 +508,7 @@ def test_api_key(pair):
         live.close()
 
 
-def test_cli_binds_loopback_by_default_and_rejects_tp(pair, monkeypatch, capsys):
+def test_cli_binds_loopback_by_default_and_tensor_parallel(pair, monkeypatch, capsys):
     tdir, ddir = pair
     assert build_parser().parse_args(["--target-model", "x"]).host == "127.0.0.1"
     import uvicorn
@@ -531,8 +531,25 @@ def test_cli_binds_loopback_by_default_and_rejects_tp(pair, monkeypatch, capsys)
         assert state.engine.speculative
     finally:
         state.runner.stop()
-    rc = main(["--target-model", str(tdir), "--tensor-parallel-size", "2"])
-    assert rc == 2
-    assert "tensor parallelism is not available in this build yet" in capsys.readouterr().err
+    # --tensor-parallel-size 2: the server spawns its worker itself and serves the same greedy tokens
+    from fastapi.testclient import TestClient
+
+    body = {"prompt": "w7 w8 w9", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    answers = []
+
+    def serve_one(app, **kw):
+        r = TestClient(app).post("/v1/completions", json=body)
+        answers.append(r.json()["choices"][0]["text"])
+        app.state.specrt.runner.stop()
+
+    monkeypatch.setattr(uvicorn, "run", serve_one)
+    for tp in ("1", "2"):
+        rc = main(["--target-model", str(tdir), "--draft-model", str(ddir), "--speculative-decoding",
+                   "--no-warmup", "--port", "0", "--tensor-parallel-size", tp])
+        assert rc == 0
+    assert len(answers) == 2 and answers[0] == answers[1] and answers[0]
+    capsys.readouterr()
+    rc = main(["--target-model", str(tdir), "--tensor-parallel-size", "3"])   # 4 heads do not split 3 ways
+    assert rc == 2 and "must divide" in capsys.readouterr().err
     rc = main(["--target-model", str(tdir), "--speculative-decoding"])   # no draft for a non-builtin target
     assert rc == 2 and "--draft-model" in capsys.readouterr().err

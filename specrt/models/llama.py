@@ -14,6 +14,18 @@ device->host sync):
     ``[B, max_q]`` x ``[B, max_ctx]`` with a boolean mask — except chunks longer than
     _LONG_QUERY tokens that would make the padded batch > 4x the useful work: those run
     alone (one gather + SDPA each).
+  * decode fast path: when every request has one query at the same length (always at batch 1)
+    the keys are cut to exactly the context and SDPA runs without a mask.
+K and V of all the blocks a batch reads are fetched with ONE ``index_select`` per layer.
+
+CPU overhead (a decode step of a small model is dominated by per-op costs, not FLOPs):
+q/k/v and gate/up are fused into one GEMM each (``prepare``: the fused tensor is the storage
+of the original parameters, so state_dict names and memory are unchanged — note safetensors'
+``save_file`` refuses such shared storage: ``.clone()`` the tensors first); RoPE reads cos/sin
+rows from a table indexed by position and rotates q and k together (roll + addcmul); RMSNorm
+takes sum(x^2) from one ``vector_norm``; layers are called as plain methods (no nn.Module
+``__call__``). Tensor parallelism (specrt.models.tp) swaps in row-/vocab-parallel modules
+that this file calls like any other module.
 """
 from __future__ import annotations
 
@@ -43,10 +55,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) with the statistics in fp32 (as transformers' LlamaRMSNorm).
+
+    sum(x^2) comes from ``vector_norm`` (one fused reduction; ``mean(x.pow(2))`` and
+    ``F.rms_norm`` cost ~3-10x more per call on the CPU); differs from transformers by ~1 ulp."""
+    dtype = x.dtype
+    xf = x.float()
+    n = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)  # [T, 1]
+    r = (n * n).mul_(1.0 / x.shape[-1]).add_(eps).rsqrt_()  # 1 / rms
+    return weight * (xf * r).to(dtype)
 
 
 class RotaryEmbedding:
@@ -94,8 +115,19 @@ class RotaryEmbedding:
         return inv
 
     def cos_sin(self, positions: torch.Tensor, dtype, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for ``positions`` [T] (all < seq_len, a host-side bound: no sync)."""
+        if self.rope_type != "dynamic":  # one table per (device, dtype), rows indexed by position
+            key = ("table", str(positions.device), dtype)
+            table = self._cache.get(key)
+            if table is None or table[0].shape[0] < seq_len:  # grow by doubling, up to the context
+                n = min(max(256, 1 << (seq_len - 1).bit_length()), max(self.config.max_model_len, seq_len))
+                table = self._cache[key] = self._cos_sin(torch.arange(n, device=positions.device), dtype, n)
+            return table[0].index_select(0, positions), table[1].index_select(0, positions)
+        return self._cos_sin(positions, dtype, seq_len)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self.inv_freq(positions.device, seq_len)
-        freqs = positions[:, None].float() * inv  # [T, D/2]
+        freqs = positions[:, None].float() * inv  # [T, D/2] (exact: same numbers as the table rows)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -105,9 +137,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, H, D]; cos/sin [T, D]
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+def rope_operands(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D] -> (cos [T, 1, D], sin with its first half negated [T, 1, D]), once per forward,
+    so that ``rotate_half(x) * sin == roll(x, D/2) * signed_sin`` exactly (negation is exact)."""
+    half = cos.shape[-1] // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos[:, None], signed_sin[:, None]
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]; cos / signed_sin [T, 1, D] from rope_operands: x*cos + rotate_half(x)*sin in 3-4 ops
+    if x.dtype == torch.float32:
+        return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, -1), signed_sin)
+    # half precision: round each product like transformers does (addcmul rounds once: a different error)
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
 # ----------------------------------------------------------------------------- attention plan
@@ -168,20 +211,25 @@ class _Plan:
                 self.block_tables = meta.block_tables[sel, : self.num_blocks]
                 q_lens, s_lens = t([qls[b] for b in batched]), t([sls[b] for b in batched])
             self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
-            ctx = self.num_blocks * bs
-            i = torch.arange(self.max_q, device=dev)
-            # position of query i of request b; padded query rows reuse the last position (never fully masked)
-            self.q_pos = torch.minimum((s_lens - q_lens)[:, None] + i, (s_lens - 1)[:, None])  # [B, max_q]
-            self.k_pos = torch.arange(ctx, device=dev)
+            self._q_lens, self._s_lens, self._ctx, self._dev = q_lens, s_lens, self.num_blocks * bs, dev
+            # decode fast path: one query per request at the same length -> keys [0, s) need no mask
+            self.uniform_decode = self.max_q == 1 and all(sls[b] == self.max_s for b in batched)
         self._masks: dict = {}
 
-    def batched_mask(self, window: int | None) -> torch.Tensor:
+    def batched_mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, 1, max_q, ctx] mask of the padded batch; None when keys are cut to [0, max_s) instead."""
+        if self.uniform_decode and (window is None or window >= self.max_s):
+            return None
         key = ("batched", window)
         if key not in self._masks:
-            qp = self.q_pos[:, :, None]
-            m = self.k_pos <= qp  # [B, max_q, ctx]
+            i = torch.arange(self.max_q, device=self._dev)
+            s_lens, q_lens = self._s_lens, self._q_lens
+            # position of query i of request b; padded query rows reuse the last position (never fully masked)
+            qp = torch.minimum((s_lens - q_lens)[:, None] + i, (s_lens - 1)[:, None])[:, :, None]  # [B, max_q, 1]
+            k_pos = torch.arange(self._ctx, device=self._dev)
+            m = k_pos <= qp  # [B, max_q, ctx]
             if window is not None:
-                m = m & (self.k_pos > qp - window)
+                m = m & (k_pos > qp - window)
             self._masks[key] = m[:, None]  # [B, 1, max_q, ctx]
         return self._masks[key]
 
@@ -246,8 +294,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 
     if plan.batched:
         Bg, nb = plan.block_tables.shape
-        kc = layer_cache[0][plan.block_tables].reshape(Bg, nb * bs, Hkv, D).to(q.dtype).transpose(1, 2)
-        vc = layer_cache[1][plan.block_tables].reshape(Bg, nb * bs, Hkv, D).to(q.dtype).transpose(1, 2)
+        mask = plan.batched_mask(window)
+        # ONE gather of K and V (index_select of whole blocks: ~4x cheaper than advanced indexing)
+        NB = layer_cache.shape[1]
+        kv = layer_cache.view(2, NB, bs * Hkv * D).index_select(1, plan.block_tables.view(-1))
+        kv = kv.view(2, Bg, nb * bs, Hkv, D)
+        if mask is None:
+            kv = kv[:, :, :plan.max_s]  # uniform decode: exactly the context, no mask
+        kv = kv.to(q.dtype).transpose(2, 3)  # [2, B, Hkv, ctx, D]
         q_rows = q if plan.rows is None else q[plan.rows]
         if plan.rows is None and T > plan.num_rows:
             q_rows = q[: plan.num_rows]
@@ -256,7 +310,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         else:
             qp = q.new_zeros(Bg, plan.max_q, H, D)
             qp[plan.req, plan.qi] = q_rows
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc, vc, attn_mask=plan.batched_mask(window),
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kv[0], kv[1], attn_mask=mask,
                                            scale=scale, enable_gqa=gqa).transpose(1, 2)  # [B, max_q, H, D]
         o_rows = o.reshape(Bg, H, D) if plan.max_q == 1 else o[plan.req, plan.qi]
         if out is None:
@@ -269,6 +323,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
 
 
 # ----------------------------------------------------------------------------- modules
+def _fuse_linears(*lins: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenate nn.Linear weights along the output dim into one [sum(out), in] tensor and rebind
+    each module's weight (and bias) as a view of it: one GEMM instead of several, no extra memory,
+    state_dict names unchanged, in-place updates (load_state_dict) still land in the fused tensor.
+    None when any module is not a plain nn.Linear (e.g. sharded by other code)."""
+    if not all(type(m) is nn.Linear for m in lins) or len({m.weight.dtype for m in lins}) != 1:
+        return None
+    w = torch.cat([m.weight.detach() for m in lins])
+    has_bias = [m.bias is not None for m in lins]
+    b = None
+    if any(has_bias):
+        b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in lins])
+    start = 0
+    for m in lins:
+        n = m.out_features
+        m.weight = nn.Parameter(w[start:start + n], requires_grad=False)
+        if m.bias is not None:
+            m.bias = nn.Parameter(b[start:start + n], requires_grad=False)
+        start += n
+    return w, b
+
+
+def _linear_fn(m: nn.Module):
+    """A plain nn.Linear's (weight, bias) for F.linear, else the module itself (called as is)."""
+    return (m.weight, m.bias) if type(m) is nn.Linear else m
+
+
+def _apply_linear(fn, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, fn[0], fn[1]) if type(fn) is tuple else fn(x)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -282,20 +367,36 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hd, bias=config.o_proj_bias)
+        self._qkv = None  # (weight, bias) fused by LlamaForCausalLM.prepare(); None: separate projections
+
+    def prepare(self) -> None:
+        self._qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self._o = _linear_fn(self.o_proj)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; cos / sin [T, 1, D] from rope_operands (sin's first half negated)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._qkv is not None:
+            qkv = F.linear(x, self._qkv[0], self._qkv[1])  # [T, (H + 2 Hkv) D]
+            # RoPE on q and k at once (adjacent in the fused output)
+            qk = _apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H + Hkv, D]
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+            o_proj = self._o
+        else:
+            q = self.q_proj(x).view(T, H, D)  # [T, H, D]
+            k = self.k_proj(x).view(T, Hkv, D)  # [T, Hkv, D]
+            v = self.v_proj(x).view(T, Hkv, D)
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            o_proj = _linear_fn(self.o_proj)
         write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
         if self.attn_fp32 and q.dtype != torch.float32:
             # fp32 attention for half models: more accurate, and (nearly) independent of how the batch
             # is padded, so verify / decode / batched logits agree (greedy speculative == plain greedy)
             q, k, v = q.float(), k.float(), v.float()
         o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window)  # [T, H, D]
-        return self.o_proj(o.to(x.dtype).reshape(T, self.num_heads * self.head_dim))
+        return _apply_linear(o_proj, o.to(x.dtype).reshape(T, H * D))
 
 
 class LlamaMLP(nn.Module):
@@ -306,8 +407,17 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(hd, it, bias=bias)
         self.down_proj = nn.Linear(it, hd, bias=bias)
         self.act = _ACTS[config.hidden_act]
+        self._gate_up = None  # (weight, bias) fused by LlamaForCausalLM.prepare()
+
+    def prepare(self) -> None:
+        self._gate_up = _fuse_linears(self.gate_proj, self.up_proj)
+        self._down = _linear_fn(self.down_proj)
 
     def forward(self, x):
+        if self._gate_up is not None:
+            gu = F.linear(x, self._gate_up[0], self._gate_up[1])  # [T, 2 I]
+            n = gu.shape[-1] // 2
+            return _apply_linear(self._down, self.act(gu[..., :n]) * gu[..., n:])
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -319,9 +429,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def prepare(self) -> None:
+        self.self_attn.prepare()
+        self.mlp.prepare()
+        self._norms = (self.input_layernorm.weight, self.input_layernorm.eps,
+                       self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+
     def forward(self, x, cos, sin, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # plain method calls (no nn.Module __call__ / hook machinery: ~10 us per call on the CPU)
+        w1, eps1, w2, eps2 = self._norms
+        x = x + self.self_attn.forward(rms_norm(x, w1, eps1), cos, sin, meta, kv_cache)
+        return x + self.mlp.forward(rms_norm(x, w2, eps2))
 
 
 class LlamaModel(nn.Module):
@@ -343,6 +461,28 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        self._prepared = False
+
+    # -- fast path: fused q/k/v and gate/up weights, cached weight references (built lazily)
+    def prepare(self) -> "LlamaForCausalLM":
+        """Fuse q/k/v and gate/up into single GEMMs and cache per-layer weight references.
+        Runs lazily at the first forward; anything that replaces parameters or modules
+        (``.to()``, ``load_state_dict(assign=True)``, tensor-parallel sharding) invalidates it."""
+        for layer in self.model.layers:
+            layer.prepare()
+        self._prepared = True
+        return self
+
+    def _invalidate_fast_path(self) -> None:
+        self._prepared = False
+
+    def _apply(self, fn, *args, **kwargs):
+        self._prepared = False  # .to() / .half() give every parameter its own storage again
+        return super()._apply(fn, *args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._prepared = False
+        return super().load_state_dict(*args, **kwargs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -398,12 +538,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"a request has {max_seq} tokens, longer than the model's context of "
                              f"{cfg.max_model_len} tokens")
 
+        if not self._prepared:
+            self.prepare()
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, x.dtype, max_seq)  # [T, D]
-        for layer in self.model.layers[:n]:
-            x = layer(x, cos, sin, meta, kv_cache)
+        cos, sin = rope_operands(*self.rotary.cos_sin(positions, x.dtype, max_seq))  # [T, 1, D] each
+        layers = self.model.layers
+        for i in range(n):
+            x = layers[i].forward(x, cos, sin, meta, kv_cache)
         if logits_indices is not None:
-            x = x[logits_indices]
-        h = self.model.norm(x)  # [L, hidden]
+            x = x.index_select(0, logits_indices)
+        norm = self.model.norm
+        h = rms_norm(x, norm.weight, norm.eps)  # [L, hidden]
         logits = self.lm_head(h).float()  # [L, V]
         return logits, (h if return_hidden else None)

@@ -84,7 +84,9 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ValueError(f"{folder}: no model.safetensors, model.safetensors.index.json or *.safetensors found{extra}")
 
 
-def _read_safetensors(files: list[Path], device) -> dict[str, torch.Tensor]:
+def _read_safetensors(files: list[Path], device, select=None) -> dict[str, torch.Tensor]:
+    """Every tensor of the files; ``select(name, lazy_slice) -> Tensor`` reads only part of one
+    (tensor parallelism: each rank reads just its shard)."""
     from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
@@ -92,7 +94,7 @@ def _read_safetensors(files: list[Path], device) -> dict[str, torch.Tensor]:
         try:
             with safe_open(str(f), framework="pt", device=str(device)) as sf:
                 for key in sf.keys():
-                    tensors[key] = sf.get_tensor(key)
+                    tensors[key] = sf.get_tensor(key) if select is None else select(key, sf.get_slice(key))
         except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, header errors
             raise ValueError(f"corrupt or unreadable safetensors file {f}: {type(e).__name__}: {e}") from None
     return tensors
@@ -110,10 +112,12 @@ def _dequantize_int8(state: dict[str, torch.Tensor]) -> None:
         state[wkey] = q.float() * scale.float()[:, None]
 
 
-def load_model(path, dtype=None, device="cpu") -> LlamaForCausalLM:
+def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> LlamaForCausalLM:
     """Load a Llama / Qwen2 / Mistral checkpoint from a local folder (config.json + safetensors).
 
     dtype: None (float32), "auto" (the checkpoint's torch_dtype), a name or a torch.dtype.
+    tp: (rank, world_size, process_group) loads only this rank's tensor-parallel shard (reading
+    just those slices of the files) into a model sharded by specrt.models.tp.
     Raises ValueError with a clear message for a missing folder/config/weights, corrupt
     files, unsupported architecture, missing/mis-shaped tensors, or a dtype the device can't run.
     int8 weight-only checkpoints (specrt.models.quant) are dequantised to ``dtype`` on load.
@@ -125,12 +129,18 @@ def load_model(path, dtype=None, device="cpu") -> LlamaForCausalLM:
     torch_dtype = resolve_dtype(dtype, config)
     check_dtype_supported(torch_dtype, device)
     files = _weight_files(folder)
-    state = _read_safetensors(files, "cpu")
-    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
-    _dequantize_int8(state)
-
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    select = None
+    if tp is not None and tp[1] > 1:
+        from specrt.models.tp import shard_model_, shard_selector
+
+        rank, world_size, group = tp
+        shard_model_(model, rank, world_size, group)  # on meta: just the per-rank structure and shapes
+        select = shard_selector(config, rank, world_size)
+    state = _read_safetensors(files, "cpu", select)
+    state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
+    _dequantize_int8(state)
     expected = dict(model.named_parameters(remove_duplicate=False))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -153,6 +163,7 @@ def load_model(path, dtype=None, device="cpu") -> LlamaForCausalLM:
     model.tie_weights()
     model.eval()
     model.requires_grad_(False)
+    model.prepare()  # fuse q/k/v and gate/up (the fused tensors ARE the parameters' storage: no extra memory)
     return model
 
 
