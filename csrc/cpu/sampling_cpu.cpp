@@ -59,12 +59,25 @@ std::vector<uint64_t> reduce_rows_by_chunks(int64_t num_rows, int64_t vocab, con
   return best;
 }
 
-// argmax with NaN as -inf and ties to the lowest index, as a packed u64.
+// argmax with NaN as -inf and ties to the lowest index, as a packed u64 (the
+// same answer as a scan with pack_argmax(ordered_key(x), v)). Two passes: the
+// max with 8 independent accumulators (x > m is false for NaN, so NaN never
+// wins), then the first index equal to it (-0.0 == +0.0).
 uint64_t argmax_chunk(const float* row, int64_t begin, int64_t end) {
-  uint64_t best = 0;
-  for (int64_t v = begin; v < end; ++v)
-    best = std::max(best, pack_argmax(ordered_key(row[v]), static_cast<uint32_t>(v)));
-  return best;
+  float acc[8];
+  for (float& a : acc) a = -INFINITY;
+  int64_t v = begin;
+  for (; v + 8 <= end; v += 8)
+    for (int j = 0; j < 8; ++j) acc[j] = row[v + j] > acc[j] ? row[v + j] : acc[j];
+  for (; v < end; ++v) acc[0] = row[v] > acc[0] ? row[v] : acc[0];
+  float m = acc[0];
+  for (int j = 1; j < 8; ++j) m = acc[j] > m ? acc[j] : m;
+  int64_t first = begin;  // every entry is -inf or NaN: they tie, the lowest index wins
+  if (m != -INFINITY) {
+    for (first = begin; first < end && !(row[first] == m); ++first) {
+    }
+  }
+  return pack_argmax(ordered_key(m), static_cast<uint32_t>(first));
 }
 
 // One row of probs_from_logits; `scratch` has room for V floats.
@@ -154,8 +167,10 @@ void verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_
   const int32_t* n_draft = num_draft_tokens.data_ptr<int32_t>();
   int32_t* out = output_token_ids.data_ptr<int32_t>();
   int32_t* n_acc = num_accepted.data_ptr<int32_t>();
-  // argmax of every (request, position) row, vocabulary split in chunks
+  // argmax of every (request, position) row the request can reach (positions
+  // 0..num_draft_tokens), vocabulary split in chunks
   const auto best = reduce_rows_by_chunks(batch * k1, vocab, [&](int64_t row, int64_t lo, int64_t hi) {
+    if (row % k1 > std::clamp<int64_t>(n_draft[row / k1], 0, k1 - 1)) return uint64_t{0};
     return argmax_chunk(logits + row * vocab, lo, hi);
   });
   for (int64_t b = 0; b < batch; ++b) {
