@@ -100,9 +100,18 @@ class CostModel:
         if len(samples) < 4:
             return None
         arr = np.array(samples[-256:], dtype=float)
-        x = np.column_stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]])
-        coef, *_ = np.linalg.lstsq(x, arr[:, 2], rcond=None)
-        return np.maximum(coef, 0.0)
+        # a feature that barely varies cannot be told apart from the intercept: leave it out
+        # (else the split between them is arbitrary and extrapolates badly)
+        cols = [c for c in (0, 1) if arr[:, c].std() > 0.05 * max(abs(arr[:, c].mean()), 1.0)]
+        x = np.column_stack([np.ones(len(arr))] + [arr[:, c] for c in cols])
+        fit, *_ = np.linalg.lstsq(x, arr[:, 2], rcond=None)
+        coef = np.zeros(3)
+        coef[0] = fit[0]
+        for j, c in enumerate(cols):
+            coef[1 + c] = fit[1 + j]
+        if coef[1] < 0 or coef[2] < 0:     # costs never fall with more work: refit without them
+            coef = np.array([arr[:, 2].mean(), 0.0, 0.0])
+        return coef
 
     def add_verify(self, tokens: int, context: int, seconds: float) -> None:
         self.verify_samples.append((tokens, context, seconds))
@@ -112,14 +121,19 @@ class CostModel:
         self.draft_samples.append((tokens, context, seconds))
         del self.draft_samples[:-512]
 
+    def refit(self) -> None:
+        """Least-squares fits of the recent samples; called once per plan, not per query."""
+        self._verify_coef = self._fit(self.verify_samples)
+        self._draft_coef = self._fit(self.draft_samples)
+
     def verify_time(self, tokens: int, context: int) -> float:
-        c = self._fit(self.verify_samples)
+        c = getattr(self, "_verify_coef", None)
         if c is None:
             return 1.0 + 0.01 * tokens
         return float(c[0] + c[1] * tokens + c[2] * context) or 1e-6
 
     def draft_step_time(self, batch: int, context: int) -> float:
-        c = self._fit(self.draft_samples)
+        c = getattr(self, "_draft_coef", None)
         if c is None:
             return 0.25
         return float(c[0] + c[1] * batch + c[2] * context) or 1e-6
@@ -127,55 +141,73 @@ class CostModel:
 
 class BudgetPolicy(DraftPolicy):
     """Across the batch, hand out draft tokens where the expected gain per unit of measured
-    cost is highest: greedily add the draft token with the best marginal effect on expected
-    emitted tokens / predicted step time; stop when no addition raises that throughput.
-    A request whose expected gain does not pay for its cost gets K=0 (speculation off)."""
+    cost is highest, maximising expected emitted tokens / predicted step time.
+
+    Token i of request b is worth r_b^i expected tokens (r_b: its recent acceptance rate) and
+    costs the marginal verify time of one more token; the draft costs one batched forward per
+    draft depth. For each depth D the best allocation at throughput lambda takes every token
+    with r_b^i >= lambda * (marginal token cost); a few fixed-point rounds (Dinkelbach) find
+    lambda, and the best depth wins. A request whose tokens do not pay gets K=0 (speculation
+    off); longer contexts raise the measured costs and so shorten K."""
 
     name = "budget"
     explore_every = 16
 
     def plan(self, requests, k_caps, costs=None):
         costs = costs or CostModel()
+        costs.refit()
         n = len(requests)
         if n == 0:
             return []
         rates = [recent_acceptance(r, self.spec.acceptance_window) for r in requests]
-        contexts = [r.context_len for r in requests]
-        ctx_total = sum(contexts)
-        ks = [min(self.spec.min_draft_length, cap) for cap in k_caps]
+        ctx = sum(r.context_len for r in requests)
+        caps = [min(c, self.spec.max_draft_length) for c in k_caps]
+        floor = [min(self.spec.min_draft_length, c) for c in caps]
+        base_tokens = n
+        t_ar = costs.verify_time(base_tokens, ctx)
+        per_token = max(costs.verify_time(base_tokens + 1, ctx) - t_ar, 1e-9)
 
-        def throughput(kk):
-            expected = sum(1.0 + sum(rates[b] ** i for i in range(1, kk[b] + 1)) for b in range(n))
-            t = costs.verify_time(sum(k + 1 for k in kk), ctx_total)
-            steps = max(kk) if kk else 0
-            t += steps * costs.draft_step_time(sum(1 for k in kk if k > 0), ctx_total)
+        def evaluate(ks):
+            expected = sum(1.0 + sum(rates[b] ** i for i in range(1, ks[b] + 1)) for b in range(n))
+            depth = max(ks)
+            t = costs.verify_time(base_tokens + sum(ks), ctx)
+            if depth:
+                t += depth * costs.draft_step_time(sum(1 for k in ks if k > 0), ctx)
             return expected / t
 
-        best = throughput(ks)
-        while True:
-            choice, choice_val = None, best
-            # moves raise one request to any deeper K: the first draft token of a step costs
-            # a whole draft forward, so single-token increments alone could stall
-            for b in range(n):
-                old = ks[b]
-                for k in range(old + 1, min(k_caps[b], self.spec.max_draft_length) + 1):
-                    ks[b] = k
-                    val = throughput(ks)
-                    if val > choice_val * (1 + 1e-9):
-                        choice, choice_val = (b, k), val
-                ks[b] = old
-            if choice is None:
-                break
-            ks[choice[0]] = choice[1]
-            best = choice_val
+        best_ks = list(floor)
+        best = evaluate(best_ks)
+        for depth in range(1, max(caps, default=0) + 1):
+            lam = best
+            ks = list(floor)
+            for _ in range(4):
+                ks = [max(floor[b], min(caps[b], depth, self._take(rates[b], lam * per_token))) for b in range(n)]
+                val = evaluate(ks)
+                if val <= lam * (1 + 1e-9):
+                    break
+                lam = val
+            val = evaluate(ks)
+            if val > best * (1 + 1e-9):
+                best, best_ks = val, ks
         # exploration: a request kept at K=0 stops producing acceptance evidence, so every
         # `explore_every` steps it drafts one token to refresh its estimate
         for b, r in enumerate(requests):
             idle = r.policy_state.get("steps_without_draft", 0)
-            if ks[b] == 0 and k_caps[b] > 0 and idle >= self.explore_every:
-                ks[b] = 1
-            r.policy_state["steps_without_draft"] = 0 if ks[b] > 0 else idle + 1
-        return ks
+            if best_ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every:
+                best_ks[b] = 1
+            r.policy_state["steps_without_draft"] = 0 if best_ks[b] > 0 else idle + 1
+        return best_ks
+
+    @staticmethod
+    def _take(rate: float, threshold: float) -> int:
+        """How many leading draft tokens are worth at least `threshold` each (rate^i >= threshold)."""
+        k, w = 0, 1.0
+        while k < 64:
+            w *= rate
+            if w < threshold:
+                break
+            k += 1
+        return k
 
 
 POLICY_CLASSES = {"fixed": FixedPolicy, "confidence": ConfidencePolicy, "head": HeadPolicy, "budget": BudgetPolicy}
