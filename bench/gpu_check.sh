@@ -93,6 +93,21 @@ step bench_kernels 150 "$PY" bench/kernels.py --out "$OUT/kernels.json"
 # Keep the whole script under 8 minutes: budget what is left after the steps above.
 # ---------------------------------------------------------------------------
 
+# ---------------------------------------------------------------------------
+# 5. END-TO-END (issue 7, specrt/benchmarks.py; results in OUTDIR/e2e/)
+#  a) cost curve on random-weight Llama-shaped models built on the device (no files):
+#     8B-shaped target / 1B-shaped draft in bf16: target step time vs verified tokens at
+#     batch 1/8/32, draft step time, overlap hidden fraction, predicted speedup (~1-2 min).
+#  b) the end-to-end benchmark on the built-in pair (--quick; sections trimmed to fit):
+#     AR vs speculative per category, K sweep vs policies, batch curve, transformers peer.
+# Each step gets what is left of the deadline (GPU_CHECK_BUDGET_S), so raise that when
+# running only this part is not enough, e.g. GPU_CHECK_BUDGET_S=700.
+# ---------------------------------------------------------------------------
+step e2e_cost_curve 150 "$PY" bench/e2e.py cost-curve --target-shape 8b --draft-shape 1b --dtype bfloat16 \
+  --device cuda --context 1024 --max-tokens 16 --batch-sizes 1,8,32 --reps 10 --out "$OUT/e2e/cost_curve"
+step e2e_bench 200 "$PY" bench/e2e.py --quick --device cuda --target builtin --draft builtin --repeats 2 \
+  --sections costs,categories,k_sweep,batch,peer,temperature,misaligned --out "$OUT/e2e"
+
 echo "total $(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"
 # Short digest of the results at the end of the summary.
 {
@@ -100,5 +115,7 @@ echo "total $(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"
   echo "--- test_kernels (tail)"; tail -n 8 "$OUT/test_kernels.log" 2>/dev/null
   echo "--- test_exactness (tail)"; tail -n 5 "$OUT/test_exactness.log" 2>/dev/null
   echo "--- bench_kernels"; cat "$OUT/bench_kernels.log" 2>/dev/null | tail -n 90
+  echo "--- e2e_cost_curve"; tail -n 8 "$OUT/e2e_cost_curve.log" 2>/dev/null
+  echo "--- e2e_bench"; tail -n 8 "$OUT/e2e_bench.log" 2>/dev/null
 } >> "$SUMMARY"
 exit 0

@@ -347,7 +347,9 @@ class LLMEngine:
             logits = torch.cat([logits, pad], 1)
         self._mask_eos(logits, out_index, reqs)
         temps, topk, topp = self._param_rows(reqs, [1] * len(reqs))
-        return ops.probs_from_logits(logits, temps, topk, topp, check_values=False), hidden
+        q = ops.probs_from_logits(logits, temps, topk, topp, check_values=False)
+        self._last_draft_logits = logits          # for the confidence / head policies
+        return q, hidden
 
     def _sample_draft(self, q: torch.Tensor, reqs: list[Request], positions: list[int]) -> torch.Tensor:
         """Draft tokens [rows] int32: DRAFT noise (rejection) or the target's own TARGET noise (coupled)."""
@@ -408,8 +410,11 @@ class LLMEngine:
                 n_draft[b] = j + 1
                 fed_until[b] = s
             if self.policy.needs_draft_probs_on_host:
-                # one intentional sync per draft step: confidence / head policies decide on the host
-                qx = q.gather(1, x.long()[:, None])[:, 0]
+                # one intentional sync per draft step: confidence / head policies decide on the host.
+                # Confidence is the draft model's own softmax probability of its token (at T=1): the
+                # sampling transform makes greedy rows one-hot, which would say "certain" every time.
+                conf = torch.softmax(self._last_draft_logits, -1)
+                qx = conf.gather(1, x.long()[:, None])[:, 0]
                 p_acc = None
                 if self.accept_head is not None:
                     p_acc = self.accept_head(hidden.float(), qx).float().cpu().tolist()

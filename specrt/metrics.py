@@ -5,8 +5,9 @@ Definitions (per step = one target verification of one request):
 - drafted: draft tokens proposed (K of that step); accepted: how many were kept.
 - mean accepted length: accepted drafts per step; tokens per target forward:
   (accepted + 1) per step, the "tau" of the speculative-decoding papers.
-- acceptance rate at position i: accepted at i / drafted at i (given position i
-  was reached, i.e. positions 0..i-1 were accepted).
+- acceptance rate at position i: among steps that drafted at least i+1 tokens, the
+  share whose drafts 0..i were ALL accepted (cumulative, so it falls with i; the
+  conditional rate at i is rate[i] / rate[i-1]).
 - draft hit rate: accepted / drafted.
 - hidden draft time: draft time that ran on the draft stream while the target
   verified (overlap); exposed draft time = draft time - hidden.

@@ -1,0 +1,94 @@
+"""Smoke test of the end-to-end benchmark harness (specrt.benchmarks) on the tiny random pair:
+every section runs with minimal settings and the JSON, markdown report and plots are written."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("transformers")
+
+from specrt import benchmarks  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_utils import make_pair  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("bench_pair"))
+
+
+def test_bench_minimal_writes_every_section(pair, tmp_path):
+    torch.set_num_threads(1)
+    tdir, ddir = pair
+    s = benchmarks.Settings.minimal()
+    res = benchmarks.run_all(str(tdir), str(ddir), "cpu", s, log=lambda *a: None)
+    out = benchmarks.write_results(res, tmp_path / "out")
+
+    data = json.loads((out / "results.json").read_text())
+    for sec in benchmarks.SECTIONS:
+        assert sec in data, sec
+    cats = data["categories"]
+    assert set(cats) == set(benchmarks.CATEGORIES)
+    for cat in benchmarks.CATEGORIES:
+        assert {"ar", "model", "ngram"} <= set(cats[cat])
+        assert any(k.startswith("self:") for k in cats[cat])
+        for name, v in cats[cat].items():
+            assert v["tokens_per_s"] > 0
+            # greedy: every drafter reproduces autoregressive decoding token for token
+            assert v["identical_to_ar"], (cat, name)
+            if name != "ar":
+                assert "fraction_of_theoretical" in v
+    ks = data["k_sweep"]
+    assert ks["best_fixed_k"] in s.ks
+    assert {"confidence", "budget"} <= set(ks["policies"])
+    assert "head" in ks["policies"] or "head" in ks["skipped"]
+    assert set(ks["expected_accepted"]) == {str(k) for k in s.ks}
+    assert set(data["temperature"]["by_temperature"]) == {str(t) for t in s.temperatures}
+    assert set(data["batch"]["by_batch_size"]) == {str(b) for b in s.batch_sizes}
+    assert len(data["misaligned"]["cases"]) >= 2
+    peer = data["peer"]
+    assert "skipped" not in peer, peer
+    assert peer["ratio_spec_vs_hf_assisted"] > 0
+    assert set(data["costs"]["v"]) == {str(k) for k in range(1, max(s.ks) + 1)}
+
+    report = (out / "report.md").read_text()
+    for title in ("per prompt category", "Fixed K vs dynamic", "Temperature", "Batch size", "Misaligned",
+                  "transformers"):
+        assert title in report
+    for png in ("speedup_vs_k.png", "speedup_vs_batch.png", "acceptance_per_position.png",
+                "speedup_per_category.png"):
+        assert (out / png).stat().st_size > 1000, png
+
+
+def test_misaligned_engine_changes_only_the_draft_params(pair):
+    """The benchmark-only subclass perturbs draft rows; target rows and greedy output are untouched."""
+    import specrt
+
+    tdir, ddir = pair
+    spec = specrt.SpecConfig(max_draft_length=3, max_batch_size=2, max_model_len=128)
+    aligned = benchmarks.make_llm(str(tdir), str(ddir), spec, "cpu")
+    mis = benchmarks.make_llm(str(tdir), str(ddir), spec, "cpu", misalign={"temperature": 1.0, "top_p": 0.9})
+    params = specrt.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=3)
+    prompt = [5, 9, 11, 20, 7, 5, 9]
+    a = aligned.generate([prompt], params)[0]
+    m = mis.generate([prompt], params)[0]
+    assert a.token_ids == m.token_ids               # still exact
+    assert m.metrics["drafted_tokens"] > 0
+
+
+def test_cost_curve_tiny_cpu(tmp_path):
+    torch.set_num_threads(1)
+    res = benchmarks.cost_curve("tiny", "tiny", draft_layers=1, device="cpu", dtype="float32", ctx=32,
+                                max_tokens=4, batch_sizes=(1, 2), kmax=3, reps=2, log=lambda *a: None)
+    benchmarks.write_cost_curve(res, tmp_path)
+    data = json.loads((tmp_path / "cost_curve.json").read_text())
+    assert set(data["by_batch"]) == {"1", "2"}
+    e = data["by_batch"]["1"]
+    assert e["c"] > 0 and set(e["v"]) == {"1", "2", "3"}
+    assert (tmp_path / "cost_curve.md").is_file()
