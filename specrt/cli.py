@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda a: __import__("specrt.server", fromlist=["main"]).main(a),
         "bench": lambda a: __import__("specrt.benchmarks", fromlist=["main"]).main(a),
         "distill": lambda a: __import__("specrt.training.distill", fromlist=["main"]).main(a),
-        "train": lambda a: __import__("specrt.training.pretrain", fromlist=["main"]).main(a),
+        "train": lambda a: __import__("specrt.training.recipe", fromlist=["main"]).main(a),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())

@@ -99,6 +99,9 @@ def save_quantized(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.fl
             sd[k] = v.contiguous()
         else:
             sd[k] = v.to(dtype).contiguous()
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in sd \
+            and sd["lm_head.weight"].dtype != torch.int8:
+        del sd["lm_head.weight"]  # tied to model.embed_tokens.weight: store once
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
@@ -125,7 +128,8 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32):
     sd = load_file(os.path.join(path, "model.safetensors"))
     sd = {k: (v if v.dtype == torch.int8 or k.endswith("weight_scale") else v.to(dtype)) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")]
+    missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")
+               and not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"{path}: missing {missing} unexpected {unexpected}")
     if cfg.tie_word_embeddings:
