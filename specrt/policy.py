@@ -92,6 +92,7 @@ class CostModel:
     def __post_init__(self):
         self.verify_samples: list[tuple[float, float, float]] = []   # (tokens, context, seconds)
         self.draft_samples: list[tuple[float, float, float]] = []
+        self._dropped = 0   # samples aged out (keeps the refit counter monotonic)
 
     @staticmethod
     def _fit(samples):
@@ -115,14 +116,24 @@ class CostModel:
 
     def add_verify(self, tokens: int, context: int, seconds: float) -> None:
         self.verify_samples.append((tokens, context, seconds))
-        del self.verify_samples[:-512]
+        self._trim(self.verify_samples)
 
     def add_draft(self, tokens: int, context: int, seconds: float) -> None:
         self.draft_samples.append((tokens, context, seconds))
-        del self.draft_samples[:-512]
+        self._trim(self.draft_samples)
+
+    def _trim(self, samples: list) -> None:
+        if len(samples) > 512:
+            self._dropped += len(samples) - 512
+            del samples[:-512]
 
     def refit(self) -> None:
-        """Least-squares fits of the recent samples; called once per plan, not per query."""
+        """Least-squares fits of the recent samples. A fit costs ~0.5 ms (a real share of a
+        millisecond-scale step), so it is redone only after 16 new samples."""
+        seen = len(self.verify_samples) + len(self.draft_samples) + self._dropped
+        if getattr(self, "_fitted_at", None) is not None and seen - self._fitted_at < 16:
+            return
+        self._fitted_at = seen
         self._verify_coef = self._fit(self.verify_samples)
         self._draft_coef = self._fit(self.draft_samples)
 
