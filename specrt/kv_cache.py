@@ -501,12 +501,7 @@ class PagedKVCache:
         return self.manager.allocate(request_id, token_ids)
 
     def can_append_slots(self, request_id, num_tokens: int) -> bool:
-        """Would ``append_slots(request_id, num_tokens)`` succeed now? (no change)"""
-        req = self._req(request_id)
-        start, end = req.num_tokens, req.num_tokens + num_tokens
-        new = self.blocks_needed(end) - len(req.block_table)
-        shared = self._shared_blocks_in(req, start, min(end, len(req.block_table) * self.block_size))
-        return max(new, 0) + len(shared) <= self.num_free_blocks
+        return self.manager.can_append_slots(request_id, num_tokens)
 
     def append_slots(self, request_id, num_tokens: int) -> bool:
         ok = self.manager.append_slots(request_id, num_tokens)

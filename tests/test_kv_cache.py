@@ -284,3 +284,12 @@ def test_budget_and_allocation():
         num_blocks_for_budget([cfg], 16, torch.float32, 100, "cpu")
     t = allocate_kv_cache(cfg, 3, 16, torch.bfloat16, "cpu", num_layers=1)
     assert t.shape == (1, 2, 3, 16, 2, 4) and t.dtype == torch.bfloat16
+
+
+def test_paged_cache_delegates_can_append_slots():
+    """PagedKVCache.can_append_slots answers like its manager (it once carried a broken copy)."""
+    cfg = tiny_config(layers=1, kv_heads=1, head_dim=4)
+    cache = PagedKVCache({"target": cfg}, num_blocks=3, block_size=4, dtype=torch.float32)
+    assert cache.allocate("a", [1, 2, 3]) == 0
+    assert cache.can_append_slots("a", 9) and not cache.can_append_slots("a", 10)
+    assert cache.can_append_slots("a", 9) == cache.manager.can_append_slots("a", 9)
