@@ -20,6 +20,8 @@ import torch
 
 from specrt import ops, reference
 
+from _cases import greedy_case  # noqa: E402  (tests/ is on sys.path under pytest)
+
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and ops.cuda_built()),
                                 reason="needs a CUDA GPU and a CUDA build of specrt (SPECRT_CUDA=1)")
 
@@ -156,29 +158,10 @@ def test_sample_tokens_cuda_equals_cpu(b, v, purpose):
     assert int(got[0]) == v - 1
 
 
-def _greedy_case(b, v, k, g):
-    logits = torch.randint(-3, 3, (b, k + 1, v), generator=g).float()   # many ties
-    logits = logits + torch.where(torch.rand(b, k + 1, v, generator=g) < 0.5, 0.0, 0.25)
-    logits[torch.rand(b, k + 1, v, generator=g) < 0.1] = float("nan")
-    if b > 2:
-        logits[2, 0] = float("nan")   # all-NaN row -> token 0
-    best = reference.argmax_nan_low(logits)
-    nd = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
-    nd[0] = k
-    ids = torch.full((b, k), -1, dtype=torch.int32)
-    for r in range(b):
-        n = int(nd[r])
-        ids[r, :n] = best[r, :n].int()
-        if n and r % 2:
-            j = int(torch.randint(0, n, (1,), generator=g))
-            ids[r, j] = (best[r, j] + 1) % v
-    return logits, ids, nd
-
-
 @pytest.mark.parametrize("b,v,k", CASES)
 def test_verify_greedy_cuda_equals_cpu(b, v, k):
     g = _gen("greedy", b, v, k)
-    logits, ids, nd = _greedy_case(b, v, k, g)
+    logits, ids, nd = greedy_case(b, v, k, g, jitter=True)
     want = ops.verify_greedy(logits, ids, nd)
     got = ops.verify_greedy(*_cuda(logits, ids, nd))
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])

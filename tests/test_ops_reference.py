@@ -16,6 +16,8 @@ import torch
 
 from specrt import ops, reference
 
+from _cases import greedy_case  # noqa: E402  (tests/ is on sys.path under pytest)
+
 # (B, V, K): every B in {1,3,17}, V in {2,7,1000,32003}, K in {0,1,4}; the reference's Python
 # loops are slow, so the large-V cases use small B.
 SIZES = [(1, 2, 0), (3, 2, 4), (17, 2, 1), (1, 7, 4), (3, 7, 0), (17, 7, 4), (3, 1000, 1), (17, 1000, 4),
@@ -177,20 +179,7 @@ def test_probs_from_logits_any_float_dtype_and_exact_ties():
 @pytest.mark.parametrize("b,v,k", SIZES)
 def test_verify_greedy_matches_reference(b, v, k):
     g = _gen("greedy", b, v, k)
-    logits = torch.randint(-3, 3, (b, k + 1, v), generator=g).float()   # plenty of ties
-    logits[torch.rand(b, k + 1, v, generator=g) < 0.1] = float("nan")
-    if b > 2:
-        logits[2, 0] = float("nan")                                     # all-NaN row -> token 0
-    best = reference.argmax_nan_low(logits)
-    nd = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
-    nd[0] = k
-    ids = torch.full((b, k), -1, dtype=torch.int32)
-    for r in range(b):
-        n = int(nd[r])
-        ids[r, :n] = best[r, :n].int()
-        if n and r % 2:   # a mismatch somewhere
-            j = int(torch.randint(0, n, (1,), generator=g))
-            ids[r, j] = (best[r, j] + 1) % v
+    logits, ids, nd = greedy_case(b, v, k, g)   # plenty of ties, NaN, an all-NaN row
     out, acc = ops.verify_greedy(logits, ids, nd)
     ref_out, ref_acc = reference.verify_greedy(logits, ids, nd)
     assert torch.equal(out, ref_out) and torch.equal(acc, ref_acc)

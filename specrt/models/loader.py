@@ -13,7 +13,7 @@ import torch
 
 from specrt.models.config import ModelConfig
 from specrt.models.llama import LlamaForCausalLM
-from specrt.models.tokenizer import Tokenizer, load_tokenizer
+from specrt.models.tokenizer import Tokenizer, _read_json, load_tokenizer
 
 __all__ = ["load_model", "load_tokenizer", "load_generation_config", "check_draft_compatible",
            "check_dtype_supported", "resolve_dtype", "Tokenizer"]
@@ -169,16 +169,7 @@ def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> Llama
 
 def load_generation_config(path) -> dict:
     """generation_config.json as a dict ({} if absent)."""
-    f = Path(path) / "generation_config.json"
-    if not f.is_file():
-        return {}
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"generation_config.json is not valid JSON: {f}: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{f}: expected a JSON object")
-    return data
+    return _read_json(Path(path) / "generation_config.json")
 
 
 def _config_of(x) -> ModelConfig:
