@@ -178,6 +178,8 @@ class _Request:
     block_table: list[int] = field(default_factory=list)
     num_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of committed full blocks
+    cached_in_all: int = 0      # allocate: leading cached tokens whose KV every cache holds
+    valid_in_all: int = 0       # leading blocks whose KV this request wrote (or found) in every cache
 
 
 _ROOT_HASH = b"specrt-prefix-root"
@@ -195,6 +197,12 @@ class KVCacheManager:
     ``append_slots`` and an ``OutOfBlocksError`` for ``fork`` / ``prepare_write``; in every case
     nothing is half-done.
 
+    Caches that lag: when there are several model caches (target and draft) the target's KV of
+    a block may be final while the draft's is not written yet (a draft that has not caught up).
+    ``commit(..., all_caches_upto=n)`` registers such blocks as *target-only*: a later request
+    reuses them for the target (``allocate``'s return) and recomputes them for the other caches
+    (``cached_in_all_caches``); once a request has written them everywhere they are upgraded.
+
     Copy-on-write: block copies the caller must apply (with ``copy_blocks`` over ALL model
     caches at once) are returned by ``fork`` and ``prepare_write``; ``append_slots`` queues
     the copies it needs in ``pending_copies`` (take them with ``pop_pending_copies``) — it
@@ -211,6 +219,7 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU: evict first
         self._hash_of_block: dict[int, bytes] = {}
         self._block_of_hash: dict[bytes, int] = {}
+        self._target_only: set[int] = set()   # registered blocks whose KV only the first cache holds
         self._reqs: dict[Hashable, _Request] = {}
         self.pending_copies: list[tuple[int, int]] = []
 
@@ -249,6 +258,7 @@ class KVCacheManager:
         h = self._hash_of_block.pop(block, None)
         if h is not None:
             del self._block_of_hash[h]
+            self._target_only.discard(block)
         self._ref[block] = 1
         return block
 
@@ -269,6 +279,7 @@ class KVCacheManager:
         h = self._hash_of_block.pop(block, None)
         if h is not None:
             del self._block_of_hash[h]
+            self._target_only.discard(block)
 
     # -- lifecycle
     def allocate(self, request_id, token_ids: list[int]) -> int | None:
@@ -299,8 +310,15 @@ class KVCacheManager:
         for b in hits:
             self._incref(b)
         table = hits + [self._take_free() for _ in range(fresh)]
-        self._reqs[request_id] = _Request(block_table=table, num_tokens=n, block_hashes=hashes)
+        in_all = next((i for i, b in enumerate(hits) if b in self._target_only), len(hits))
+        self._reqs[request_id] = _Request(block_table=table, num_tokens=n, block_hashes=hashes,
+                                          cached_in_all=in_all * bs, valid_in_all=in_all)
         return len(hits) * bs
+
+    def cached_in_all_caches(self, request_id) -> int:
+        """Of the tokens ``allocate`` reported cached, how many lead with KV in every cache
+        (the rest are cached for the target only; the other caches must recompute them)."""
+        return self._req(request_id).cached_in_all
 
     def can_append_slots(self, request_id, num_tokens: int) -> bool:
         """Would ``append_slots(request_id, num_tokens)`` succeed now? (no change)"""
@@ -330,23 +348,34 @@ class KVCacheManager:
         out, self.pending_copies = self.pending_copies, []
         return out
 
-    def commit(self, request_id, token_ids: list[int]) -> None:
+    def commit(self, request_id, token_ids: list[int], all_caches_upto: int | None = None) -> None:
         """``token_ids`` (the request's full sequence so far) is final: register its full blocks
         for prefix sharing. Only positions that have a slot (< num_tokens, whose KV the caller has
-        written) count, so passing a sampled-but-not-yet-fed last token is fine."""
+        written) count, so passing a sampled-but-not-yet-fed last token is fine.
+
+        ``all_caches_upto``: positions below it have KV in every cache, the rest of ``token_ids``
+        only in the first (target) cache; None: every cache holds all of them."""
         req = self._req(request_id)
         if not self.enable_prefix_sharing:
             return
         bs = self.block_size
+        full = min(len(token_ids), req.num_tokens) // bs
+        in_all = full if all_caches_upto is None else min(full, max(all_caches_upto, 0) // bs)
         parent = req.block_hashes[-1] if req.block_hashes else _ROOT_HASH
-        for i in range(len(req.block_hashes), min(len(token_ids), req.num_tokens) // bs):
+        for i in range(len(req.block_hashes), full):
             h = _block_hash(parent, token_ids[i * bs:(i + 1) * bs])
             blk = req.block_table[i]
             if h not in self._block_of_hash and blk not in self._hash_of_block:
                 self._block_of_hash[h] = blk
                 self._hash_of_block[blk] = h
+                if i >= in_all:
+                    self._target_only.add(blk)
             req.block_hashes.append(h)
             parent = h
+        # blocks this request has now written everywhere (a lagging draft caught up)
+        for i in range(req.valid_in_all, in_all):
+            self._target_only.discard(req.block_table[i])
+        req.valid_in_all = max(req.valid_in_all, in_all)
 
     def rollback(self, request_id, num_tokens: int) -> None:
         """Drop the last ``num_tokens`` positions (no copy); frees blocks no longer used."""
@@ -359,6 +388,7 @@ class KVCacheManager:
             self._decref(blk)
         del req.block_table[keep:]
         full = req.num_tokens // self.block_size
+        req.valid_in_all = min(req.valid_in_all, full)
         if len(req.block_hashes) > full:
             # the block at index `full` will be rewritten: if it is ours alone, its hash is stale now
             if full < len(req.block_table) and self._ref[req.block_table[full]] == 1:
@@ -384,7 +414,7 @@ class KVCacheManager:
             copies.append((table[-1], dst))
             table[-1] = dst
         self._reqs[child_id] = _Request(block_table=table, num_tokens=par.num_tokens,
-                                        block_hashes=list(par.block_hashes))
+                                        block_hashes=list(par.block_hashes), valid_in_all=par.valid_in_all)
         return copies
 
     def prepare_write(self, request_id, start_pos: int, num_tokens: int) -> list[tuple[int, int]]:
@@ -414,6 +444,7 @@ class KVCacheManager:
             req.block_table[i] = dst
             copies.append((src, dst))
             del req.block_hashes[i:]  # the copy is about to be rewritten
+            req.valid_in_all = min(req.valid_in_all, i)
         return copies
 
     def free(self, request_id) -> None:
@@ -508,8 +539,11 @@ class PagedKVCache:
         self.apply_copies(self.manager.pop_pending_copies())
         return ok
 
-    def commit(self, request_id, token_ids: list[int]) -> None:
-        self.manager.commit(request_id, token_ids)
+    def commit(self, request_id, token_ids: list[int], all_caches_upto: int | None = None) -> None:
+        self.manager.commit(request_id, token_ids, all_caches_upto)
+
+    def cached_in_all_caches(self, request_id) -> int:
+        return self.manager.cached_in_all_caches(request_id)
 
     def rollback(self, request_id, num_tokens: int) -> None:
         self.manager.rollback(request_id, num_tokens)

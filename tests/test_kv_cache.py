@@ -37,6 +37,7 @@ def check_invariants(m: KVCacheManager):
     assert m.num_free_blocks == sum(1 for r in refs if r == 0)
     assert set(m._free) == {b for b, r in enumerate(refs) if r == 0}
     assert {b: h for h, b in m._block_of_hash.items()} == m._hash_of_block
+    assert m._target_only <= set(m._hash_of_block)   # only registered blocks can be target-only
 
 
 def test_out_of_blocks_is_a_signal_not_a_crash():
@@ -145,6 +146,49 @@ def test_prefix_sharing_by_hash_with_refcounts():
     assert m.allocate("f", list(range(100, 132))) == 0  # all 8 blocks
     m.free("f")
     assert m.allocate("g", prompt) == 0
+    check_invariants(m)
+
+
+def test_prefix_blocks_the_draft_has_not_written_are_target_only():
+    """A draft whose KV lags must not cost the target its prefix sharing: blocks committed past
+    all_caches_upto are reused for the target, recomputed for the draft, and upgraded once a
+    request has written them everywhere."""
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(40, 53))                       # 13 tokens: 3 full blocks
+    m.allocate("a", prompt)
+    m.commit("a", prompt, all_caches_upto=5)           # the draft holds positions < 5: block 0 only
+    a = m.block_table("a")
+    assert m._target_only == {a[1], a[2]}
+    m.free("a")
+    assert m.allocate("b", prompt + [1]) == 12         # the target reuses all 3 blocks
+    assert m.cached_in_all_caches("b") == 4            # the draft only block 0
+    assert m.block_table("b")[:3] == a[:3]
+    # b's draft catches up through position 9: block 1 is now written everywhere, block 2 is not
+    m.commit("b", prompt + [1], all_caches_upto=9)
+    assert m._target_only == {a[2]}
+    m.free("b")
+    assert m.allocate("c", prompt + [2]) == 12 and m.cached_in_all_caches("c") == 8
+    m.commit("c", prompt + [2])                        # None: every cache holds everything
+    assert m._target_only == set()
+    m.free("c")
+    assert m.allocate("d", prompt + [3]) == 12 and m.cached_in_all_caches("d") == 12
+    m.free("d")
+    check_invariants(m)
+    # an evicted target-only block loses the mark with its hash
+    m.allocate("e", list(range(100, 109)))
+    m.commit("e", list(range(100, 109)), all_caches_upto=0)
+    e = m.block_table("e")
+    assert m._target_only == {e[0], e[1]}
+    m.free("e")
+    m.allocate("f", list(range(200, 264)))             # every block: the cached ones are evicted
+    assert m._target_only == set()
+    check_invariants(m)
+    m.free("f")
+    # a rollback into a block forgets that it was written everywhere
+    m.allocate("g", list(range(300, 309)))
+    m.commit("g", list(range(300, 309)))
+    m.rollback("g", 5)                                 # 4 positions left: block 1 will be rewritten
+    assert m._reqs["g"].valid_in_all == 1
     check_invariants(m)
 
 
