@@ -72,6 +72,10 @@ class _Draft:
     draft_probs: torch.Tensor | None     # [B, K, V] float32 or None (one-hot drafts)
     fed_until: list[int]                 # [B] draft-model KV positions written (for draft_cached)
     seconds: float = 0.0
+    forwards: int = 0                    # draft forwards run (the depth the cost model sees)
+    tokens_fed: int = 0                  # tokens the draft consumed, catch-up included
+    attended: int = 0                    # sum over forwards of the rows' sequence lengths
+    events: tuple | None = None          # CUDA: (start, end) timing events around the drafting
 
 
 class LLMEngine:
@@ -140,6 +144,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._finished_pending: list[Request] = []
+        self._forced_k: int | None = None     # calibrate(): every request drafts this many
 
     # ------------------------------------------------------------------ requests
     def _load_model(self, path: Path, dtype):
@@ -189,6 +194,38 @@ class LLMEngine:
             if req is not None and not req.finished:
                 self._finish(req, "abort")
 
+    def calibrate(self, batch_sizes: Sequence[int] = (1, 4), rounds: int = 2, run: int = 4) -> None:
+        """Seed the cost model (what the budget policy plans with) with measured steps of both
+        kinds, so that serving starts with the costs known instead of learning them on the first
+        requests: for each batch size, throwaway requests decode ``rounds`` x (``run`` plain steps,
+        then ``run`` steps drafting max_draft_length tokens). Needs an idle engine; metrics and
+        outputs are left as they were."""
+        if not self.speculative or self.spec.max_draft_length == 0:
+            return
+        with self._lock:
+            if self.has_unfinished():
+                raise RuntimeError("calibrate() needs an idle engine (requests are queued or running)")
+            saved, self.metrics = self.metrics, EngineMetrics()
+            V, K = self.vocab_size, self.spec.max_draft_length
+            steps = 2 * rounds * run
+            plen = max(1, min(32, self.max_model_len // 4))
+            try:
+                for B in batch_sizes:
+                    B = max(1, min(int(B), self.spec.max_batch_size))
+                    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                            max_tokens=max(1, min(steps * (K + 1) + 1, self.max_model_len - plen - 1)))
+                    ids = [self.add_request([3 + (b * 131 + j * 17) % max(V - 3, 1) for j in range(plen)], params,
+                                            tag="calibration") for b in range(B)]
+                    for i in range(steps + 1):           # + the prefill step
+                        self._forced_k = 0 if i == 0 or ((i - 1) // run) % 2 == 0 else K
+                        self.step()
+                    for rid in ids:
+                        self.abort_request(rid)
+                    self._drain_finished()
+            finally:
+                self._forced_k = None
+                self.metrics = saved
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -203,6 +240,7 @@ class LLMEngine:
             batch = list(self.scheduler.running)
             if not batch:
                 return self._drain_finished()
+            t_step = time.perf_counter()
             ks = self._plan(batch)
             batch, ks = self._reserve(batch, ks)
             if not batch:
@@ -211,6 +249,7 @@ class LLMEngine:
             draft = self._draft(batch, ks)
             tokens, accepted, verify_s, pre = self._verify(batch, ks, draft)
             self._commit(batch, draft, tokens, accepted, verify_s, pre)
+            self._record_costs(draft, time.perf_counter() - t_step)
             outs = [self._output(r, *before[i]) for i, r in enumerate(batch)]
             return outs + self._drain_finished(exclude=batch)
 
@@ -229,7 +268,7 @@ class LLMEngine:
             return False
         cached = min(cached, req.context_len - 1)
         req.target_cached = cached
-        req.draft_cached = cached
+        req.draft_cached = min(self.kv.cached_in_all_caches(req.request_id), cached)
         return True
 
     def _k_cap(self, r: Request) -> int:
@@ -243,7 +282,11 @@ class LLMEngine:
         caps = [self._k_cap(r) for r in batch]
         if not self.speculative:
             return caps
-        return [min(k, c) for k, c in zip(self.policy.plan(batch, caps, self.costs), caps)]
+        if self._forced_k is not None:
+            return [min(self._forced_k, c) for c in caps]
+        # the draft model's KV lags by what it has not consumed yet (its prompt, the first time)
+        catchup = [max(r.context_len - 1 - r.draft_cached, 0) if self.draft_kind == "model" else 0 for r in batch]
+        return [min(k, c) for k, c in zip(self.policy.plan(batch, caps, self.costs, catchup=catchup), caps)]
 
     def _reserve(self, batch: list[Request], ks: list[int]):
         """Give every request slots for positions [target_cached, L + K); on shortage drop its
@@ -310,12 +353,20 @@ class LLMEngine:
                 prop = self.ngram.propose(r.token_ids, ks[b])
                 ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
                 n.append(len(prop))
-            return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0)
+            return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0,
+                          forwards=kmax, tokens_fed=sum(n))
         with self._on_draft_stream():
+            events = None
+            if self._draft_stream is not None:
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             draft = self._draft_with_model(batch, ks, kmax)
+            if events is not None:
+                events[1].record()
         if self._draft_stream is not None:   # verification waits for the drafts (an event, no host sync)
             torch.cuda.current_stream(self.device).wait_stream(self._draft_stream)
-        draft.seconds = time.perf_counter() - t0
+        draft.seconds = time.perf_counter() - t0   # host time; on CUDA the events give the device's
+        draft.events = events
         return draft
 
     def _on_draft_stream(self):
@@ -384,6 +435,7 @@ class LLMEngine:
                 stopped[b] = True
         prev = None          # [rows] int32 on device: the tokens sampled by the last draft step
         prev_rows: list[int] = []
+        forwards = tokens_fed = attended = 0
         for j in range(kmax):
             rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
             if not rows:
@@ -401,6 +453,9 @@ class LLMEngine:
                 query_lens = [1] * len(rows)
             q, hidden = self._draft_forward(reqs, input_ids, seq_lens, query_lens,
                                             [r.num_generated + j for r in reqs])           # [rows, V]
+            forwards += 1
+            tokens_fed += sum(query_lens)
+            attended += sum(seq_lens)
             x = self._sample_draft(q, reqs, [r.context_len + j for r in reqs])               # [rows]
             row_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
             draft_ids[row_idx, j] = x
@@ -424,7 +479,8 @@ class LLMEngine:
                         stopped[b] = True
                         n_draft[b] = j          # the unconfident token is not proposed
             prev, prev_rows = x, rows
-        return _Draft(draft_ids, n_draft, draft_probs, fed_until)
+        return _Draft(draft_ids, n_draft, draft_probs, fed_until, forwards=forwards, tokens_fed=tokens_fed,
+                      attended=attended)
 
     def _pre_draft(self, batch: list[Request], ks: list[int], draft: _Draft) -> dict[int, dict]:
         """Overlap: while the target verifies this round, draft the next one assuming every draft
@@ -560,12 +616,32 @@ class LLMEngine:
         # the one intentional device->host sync of the step
         host = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]], 1).cpu()
         verify_s = time.perf_counter() - t0 - (pre_s if dev.type == "cpu" else 0.0)
-        self.costs.add_verify(sum(query_lens), sum(seq_lens), verify_s)
-        if draft.seconds and kmax:
-            self.costs.add_draft(sum(1 for k in n if k), sum(seq_lens), draft.seconds / kmax)
+        self._verify_shape = (sum(query_lens), sum(seq_lens), pre_s if dev.type == "cpu" else 0.0)
         for b, p in pre.items():
             p["guess"] = int(host[b, -1])
         return host[:, :-2].tolist(), host[:, -2].tolist(), verify_s, pre
+
+    def _record_costs(self, draft: _Draft, step_s: float) -> None:
+        """Feed the cost model: the drafting, and everything else the step cost (planning, the
+        verify forward, sampling, bookkeeping) as the verify sample, marked by whether anything
+        was drafted (a multi-token verify can cost a jump over a plain decode step)."""
+        tokens, context, pre_s = self._verify_shape
+        draft_s = self._draft_cost_s(draft) if draft.forwards else draft.seconds
+        if draft.forwards:
+            self.costs.add_draft(draft.forwards, draft.tokens_fed, draft.attended, draft_s)
+        self.costs.add_verify(tokens, context, max(step_s - draft_s - pre_s, 1e-9),
+                              drafted=sum(draft.num_draft_tokens) > 0)
+
+    @staticmethod
+    def _draft_cost_s(draft: _Draft) -> float:
+        """What drafting cost the step: its host time, or on CUDA its device time when longer
+        (the host only enqueues; the step's sync has completed the events by now)."""
+        if draft.events is None:
+            return draft.seconds
+        try:
+            return max(draft.seconds, draft.events[0].elapsed_time(draft.events[1]) / 1e3)
+        except RuntimeError:
+            return draft.seconds
 
     # -- commit
     def _commit(self, batch, draft: _Draft, tokens, accepted, verify_s, pre: dict) -> None:
@@ -601,8 +677,10 @@ class LLMEngine:
             if r.finished:
                 r.policy_state.pop("pre_draft", None)
             else:
-                committed = min(r.target_cached, r.draft_cached) if self.draft_kind == "model" else r.target_cached
-                self.kv.commit(r.request_id, r.token_ids[:committed])
+                # a lagging draft KV does not hold back the target's prefix sharing: its blocks
+                # are registered target-only, and a later request's draft recomputes them
+                self.kv.commit(r.request_id, r.token_ids[:r.target_cached],
+                               all_caches_upto=r.draft_cached if self.draft_kind == "model" else None)
 
     def _append_tokens(self, r: Request, emitted: list[int]) -> None:
         p = r.params
@@ -707,3 +785,5 @@ class LLM:
         """Run a few short requests so kernels, caches and the cost model settle before serving."""
         prompts = [[1 + (i * 7) % max(self.engine.vocab_size - 1, 1)] * 8 for i in range(num_requests)]
         self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        if self.engine.spec.policy == "budget":
+            self.engine.calibrate()

@@ -94,6 +94,56 @@ def test_greedy_overlap_and_k(pair, ar_greedy, overlap):
             assert snap["overlap_pre_drafts"] == 0
 
 
+def test_lagging_draft_keeps_target_prefix_sharing(pair, ar_greedy):
+    """A request that never drafted leaves the draft's KV of its prefix unwritten. The next
+    request with that prefix must still reuse the target's cached blocks, recompute the draft's
+    (its catch-up), decode exactly the autoregressive tokens, and after it the blocks hold the
+    draft's KV too (a third request reuses them for both)."""
+    tdir, ddir = pair
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4), seed=0)
+    eng = llm_.engine
+    seen = []
+    alloc = eng._try_allocate
+
+    def spy(req):
+        ok = alloc(req)
+        seen.append((req.target_cached, req.draft_cached))
+        return ok
+    eng._try_allocate = spy
+    plan = eng.policy.plan
+    eng.policy.plan = lambda reqs, caps, costs=None, catchup=None: [0] * len(reqs)   # speculation off
+    first = tokens(llm_.generate([PROMPTS[0]], GREEDY))
+    eng.policy.plan = plan
+    second = tokens(llm_.generate([PROMPTS[0]], GREEDY))
+    third = tokens(llm_.generate([PROMPTS[0]], GREEDY))
+    assert first == second == third == [ar_greedy[0]]
+    assert seen[0] == (0, 0)
+    assert seen[1] == (16, 0)          # 4 blocks of 4 reused by the target, none by the draft
+    assert seen[2] == (16, 16)         # the second request's draft wrote them
+    assert llm_.stats()["total"]["drafted_tokens"] > 0
+
+
+def test_calibrate_seeds_both_step_kinds_and_leaves_no_trace(pair, ar_greedy):
+    """warmup() of a budget engine calibrates: the cost model then holds steady plain and drafted
+    samples of both batch sizes, while metrics, queues, outputs and KV blocks are as before."""
+    tdir, ddir = pair
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(policy="budget", max_draft_length=3), seed=0)
+    eng = llm_.engine
+    free = eng.num_free_blocks()
+    before = llm_.stats()["total"]
+    eng.calibrate(batch_sizes=(1, 3))
+    assert llm_.stats()["total"] == before
+    assert not eng.has_unfinished() and eng.num_free_blocks() == free and not eng._finished_pending
+    samples = eng.costs.verify_samples
+    assert eng.costs.num_plain >= 4 and sum(s[2] for s in samples) >= 8
+    assert {s[0] for s in samples if s[2]} >= {1 + 3, 3 + 9}          # drafted: batch + K per request
+    assert len(eng.costs.draft_samples) >= 8 and eng._forced_k is None
+    assert tokens(llm_.generate(PROMPTS[:3], GREEDY)) == ar_greedy[:3]
+    eng.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        eng.calibrate()
+
+
 def test_speculation_actually_accepts(pair):
     """The layer-init draft must agree with the target often enough that steps emit >1 token,
     otherwise the identity tests above would pass vacuously."""

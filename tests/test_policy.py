@@ -1,0 +1,153 @@
+"""Draft-length policies on synthetic costs (no model): the budget policy's decisions, the cost
+model's fits. Output-neutrality of every policy is proven in test_engine.py; this file proves
+that the budget policy drafts when (and only when) the measured costs say it pays."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.config import SamplingParams, SpecConfig
+from specrt.policy import BudgetPolicy, CostModel, _nonneg_fit
+from specrt.scheduler import Request
+
+
+def make_requests(n: int, rate: float = 0.9, prompt: int = 100, max_tokens: int = 256, history: int = 32):
+    reqs = []
+    for i in range(n):
+        r = Request(f"r{i}", list(range(prompt)), SamplingParams(max_tokens=max_tokens), seed=i)
+        ones = int(round(rate * history))
+        r.accept_history.extend([1] * ones + [0] * (history - ones))
+        reqs.append(r)
+    return reqs
+
+
+def costs(verify=(3e-3, 5e-5, 0.0, 0.0), draft=(3e-4, 0.0, 0.0), plain_samples: int = 8) -> CostModel:
+    """A CostModel fitted to exact samples of the given coefficients.
+    verify: (intercept, per token, per context token, drafted jump); draft: (per forward, per token fed,
+    per context token attended)."""
+    c = CostModel()
+    v0, v1, v2, v3 = verify
+    rng = np.random.default_rng(0)
+    for i in range(64):
+        drafted = i >= plain_samples
+        tokens = int(rng.integers(1, 40)) if drafted else int(rng.integers(1, 8))
+        ctx = int(rng.integers(100, 4000))
+        if not drafted and i > 0:
+            c._prev_drafted = False    # a run of plain steps: every one steady
+        c.add_verify(tokens, ctx, v0 + v1 * tokens + v2 * ctx + v3 * drafted, drafted=drafted)
+        depth, fed, att = int(rng.integers(1, 6)), int(rng.integers(1, 200)), int(rng.integers(100, 9000))
+        c.add_draft(depth, fed, att, draft[0] * depth + draft[1] * fed + draft[2] * att)
+    c.refit()
+    return c
+
+
+def policy(**kw) -> BudgetPolicy:
+    return BudgetPolicy(SpecConfig(policy="budget", max_draft_length=kw.pop("k", 4), **kw))
+
+
+def test_cost_model_recovers_the_coefficients():
+    c = costs(verify=(3e-3, 5e-5, 1e-6, 1e-3), draft=(1e-3, 3e-5, 2e-7))
+    assert np.allclose(c._verify_coef, [3e-3, 5e-5, 1e-6, 1e-3], rtol=1e-6, atol=1e-12)
+    assert np.allclose(c._draft_coef, [1e-3, 3e-5, 2e-7], rtol=1e-6, atol=1e-12)
+    assert c.verify_time(10, 1000, drafted=True) == pytest.approx(3e-3 + 5e-4 + 1e-3 + 1e-3)
+    assert c.draft_time(2, 50, 400) == pytest.approx(2e-3 + 1.5e-3 + 8e-5)
+
+
+def test_nonneg_fit_drops_columns_that_explain_nothing():
+    rng = np.random.default_rng(1)
+    a = rng.integers(1, 9, 200).astype(float)
+    x = np.column_stack([a, 2 * a, rng.random(200)])       # column 1 is column 0 again
+    y = 0.5 * a + 1e-9 * rng.random(200)
+    coef = _nonneg_fit(x, y, always=[0], optional=[1, 2])
+    assert coef[0] == pytest.approx(0.5, rel=1e-6) and coef[1] == 0 and coef[2] < 1e-6
+    # a negative slope is never fitted: costs do not fall with more work
+    y = 1.0 - 0.01 * x[:, 2]
+    coef = _nonneg_fit(np.column_stack([np.ones(200), x[:, 2]]), y, always=[0], optional=[1])
+    assert coef[1] == 0 and coef[0] > 0
+
+
+def test_cheap_draft_and_good_acceptance_drafts_deep():
+    c = costs(verify=(5e-3, 2e-5, 0, 0), draft=(2e-4, 0, 0))     # a draft forward is 4% of a verify
+    ks = policy(k=6).plan(make_requests(2, rate=0.9), [6, 6], c)
+    assert ks == [6, 6]
+
+
+def test_draft_as_expensive_as_the_target_is_switched_off():
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(3e-3, 0, 0))
+    for n in (1, 4, 32):
+        assert policy().plan(make_requests(n, rate=0.8), [4] * n, c) == [0] * n
+
+
+def test_big_batches_turn_speculation_off_when_verify_tokens_cost():
+    """A verify whose cost grows with its tokens (compute-bound large batch) makes drafting
+    lose even with a cheap draft; a small batch on the same costs still drafts."""
+    c = costs(verify=(2e-3, 4e-4, 0, 0), draft=(3e-4, 0, 0))
+    assert policy().plan(make_requests(32, rate=0.6), [4] * 32, c) == [0] * 32
+    assert max(policy().plan(make_requests(1, rate=0.6), [4], c)) > 0
+
+
+def test_drafted_step_jump_is_priced():
+    """Drafting pays on the marginal costs, but a drafted step costs a fixed jump over a plain
+    one (measured from plain steps): with a large enough jump speculation is off."""
+    reqs = make_requests(1, rate=0.7)
+    assert policy().plan(reqs, [4], costs(verify=(3e-3, 5e-5, 0, 0), draft=(6e-4, 0, 0)))[0] > 0
+    assert policy().plan(reqs, [4], costs(verify=(3e-3, 5e-5, 0, 3e-3), draft=(6e-4, 0, 0))) == [0]
+
+
+def test_catch_up_is_priced_against_the_tokens_left():
+    """A draft that must first consume a long prompt pays only if enough tokens are left to
+    amortise it; with no lag the same request drafts either way."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(6e-4, 4e-5, 0))
+    many, few = make_requests(1, rate=0.8, max_tokens=2000), make_requests(1, rate=0.8, max_tokens=8)
+    assert policy().plan(few, [4], c, catchup=[0])[0] > 0
+    assert policy().plan(few, [4], c, catchup=[1500]) == [0]
+    assert policy().plan(many, [4], c, catchup=[1500])[0] > 0
+
+
+def test_exploration_only_when_optimism_could_pay():
+    """A request kept at K=0 drafts one token every explore_every steps if a better acceptance
+    than measured would pay; a drafter that cannot pay even at acceptance 0.97 is never run."""
+    pol = policy()
+    reqs = make_requests(1, rate=0.5)
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(2.0e-3, 0, 0))  # pays above ~0.66 acceptance, not at 0.5
+    ks = [pol.plan(reqs, [4], c)[0] for _ in range(3 * pol.explore_every + 3)]
+    explored = [i for i, k in enumerate(ks) if k]
+    assert explored and all(ks[i] == 1 for i in explored)
+    assert len(explored) == 3
+    hopeless = costs(verify=(3e-3, 5e-5, 0, 0), draft=(6e-3, 0, 0))
+    pol, reqs = policy(), make_requests(1, rate=0.3)
+    assert not any(pol.plan(reqs, [4], hopeless)[0] for _ in range(5 * pol.explore_every))
+
+
+def test_plain_runs_keep_plain_steps_measured():
+    """While every step drafts, the policy forces a short plain run now and then (soon at first)
+    so the cost of a plain step stays measured."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(2e-4, 0, 0), plain_samples=0)
+    pol, reqs = policy(), make_requests(2, rate=0.9)
+    plain = []
+    for i in range(40):
+        ks = pol.plan(reqs, [4, 4], c)
+        plain.append(not any(ks))
+        c.add_verify(2 + sum(ks), 300, 3e-3, drafted=any(ks))
+    first = plain.index(True)
+    assert first <= 8 and plain[first:first + pol.plain_run] == [True] * pol.plain_run
+    assert c.num_plain >= 1 and sum(plain) < 15
+
+
+def test_off_fast_path_decides_like_a_full_plan():
+    """While speculation is off the plan is a lookup; it must give what a full plan gives."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(3e-3, 0, 0))
+    pol, reqs = policy(), make_requests(4, rate=0.5)
+    for _ in range(10):
+        assert pol.plan(reqs, [4] * 4, c) == policy().plan(reqs, [4] * 4, c) == [0] * 4
+    # a changed batch invalidates it
+    assert pol.plan(make_requests(4, rate=1.0), [4] * 4, costs(verify=(3e-3, 5e-5, 0, 0), draft=(1e-4, 0, 0)))[0] > 0
+
+
+def test_min_draft_length_and_caps_are_respected():
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(3e-3, 0, 0))        # off on its own
+    pol = policy(min_draft_length=2)
+    reqs = make_requests(3, rate=0.5)
+    assert pol.plan(reqs, [4, 1, 0], c) == [2, 1, 0]
+    c = costs(verify=(5e-3, 2e-5, 0, 0), draft=(2e-4, 0, 0))
+    assert policy(k=6).plan(make_requests(3, rate=0.95), [6, 2, 0], c) == [6, 2, 0]
