@@ -72,6 +72,7 @@ class Settings:
     temperatures: tuple = (0.0, 0.7, 1.0)
     batch_sizes: tuple = (1, 2, 4, 8, 16, 32)
     batch_max_tokens: int = 64
+    batch_repeats: int = 9        # whole batches are short units: more repeats to tame timing noise
     peer_prompts: int = 8
     cost_reps: int = 40
     sweep_prompts_per_category: int = 2
@@ -80,7 +81,7 @@ class Settings:
     @classmethod
     def quick(cls) -> "Settings":
         return cls(prompts_per_category=2, max_tokens=40, max_prompt_tokens=160, repeats=3, ks=(1, 2, 3, 4, 6, 8),
-                   batch_sizes=(1, 4, 16, 32), batch_max_tokens=24, peer_prompts=4, cost_reps=25,
+                   batch_sizes=(1, 4, 16, 32), batch_max_tokens=32, peer_prompts=4, cost_reps=25,
                    sweep_prompts_per_category=1, misaligned_cases=2)
 
     @classmethod
@@ -88,7 +89,7 @@ class Settings:
         """For the smoke test: every section, tiny sizes."""
         return cls(prompts_per_category=1, max_tokens=8, max_prompt_tokens=48, repeats=1, ks=(1, 2),
                    batch_sizes=(1, 2), batch_max_tokens=6, peer_prompts=1, cost_reps=2,
-                   sweep_prompts_per_category=1, draft_length=2)
+                   sweep_prompts_per_category=1, draft_length=2, batch_repeats=1)
 
 
 def _loadavg():
@@ -632,14 +633,22 @@ class Bench:
         for B in self.s.batch_sizes:
             prompts = [pool[i % len(pool)] for i in range(B)]
             params = self.params(max_tokens=self.s.batch_max_tokens)
-            modes = {"ar": (self.llm(None), params), "fixed": (self.llm(d, max_draft_length=K), params),
+            ar = self.llm(None)
+            # "ar_again" runs the same AR engine a second time: its ratio to "ar" is this
+            # machine's noise at this batch size, measured in the same alternating run
+            modes = {"ar": (ar, params), "ar_again": (ar, params),
+                     "fixed": (self.llm(d, max_draft_length=K), params),
                      "budget": (self.llm(d, policy="budget", max_draft_length=K), params)}
-            out[str(B)] = _strip_ids(compare(modes, prompts, self.s.repeats, batched=True))
+            out[str(B)] = _strip_ids(compare(modes, prompts, max(self.s.repeats, self.s.batch_repeats), batched=True))
         viol = [B for B, r in out.items() if r["budget"]["tokens_per_s"] < r["ar"]["tokens_per_s"]]
         viol3 = [B for B, r in out.items() if r["budget"]["tokens_per_s"] < 0.97 * r["ar"]["tokens_per_s"]]
+        noise = {B: abs(1.0 - r["ar_again"]["speedup"]) for B, r in out.items()}
+        tol = {B: max(0.02, n) for B, n in noise.items()}
+        viol_noise = [B for B, r in out.items() if r["budget"]["speedup"] < 1.0 - tol[B]]
         return {"drafter": self.main_drafter, "draft_length": K, "max_tokens": self.s.batch_max_tokens,
                 "by_batch_size": out, "budget_below_ar_at": viol, "budget_below_ar_by_3pct_at": viol3,
-                "budget_never_below_ar": not viol}
+                "ar_vs_ar_noise": noise, "budget_below_ar_beyond_noise_at": viol_noise,
+                "budget_never_below_ar": not viol, "budget_never_below_ar_beyond_noise": not viol_noise}
 
     def section_misaligned(self) -> dict:
         prompts = self.sweep_prompts()
@@ -850,6 +859,9 @@ def write_plots(res: dict, out: Path) -> list[str]:
             a1.plot(bs, [bt["by_batch_size"][str(b)][m]["tokens_per_s"] for b in bs], "o-", color=f"C{i}", label=m)
             if m != "ar":
                 a2.plot(bs, [bt["by_batch_size"][str(b)][m]["speedup"] for b in bs], "o-", color=f"C{i}", label=m)
+        if all("ar_again" in bt["by_batch_size"][str(b)] for b in bs):
+            a2.plot(bs, [bt["by_batch_size"][str(b)]["ar_again"]["speedup"] for b in bs], "x:", color="gray",
+                    label="AR again (noise)")
         a1.set_xscale("log", base=2)
         a2.set_xscale("log", base=2)
         a1.set_xlabel("batch size")
@@ -926,7 +938,10 @@ def headline_table(res: dict) -> str:
         L.append("| batch size: speedup fixed / budget | " + ", ".join(
             f"B={b}: {_f(r['fixed']['speedup'])} / {_f(r['budget']['speedup'])}"
             for b, r in bt["by_batch_size"].items()) + " |")
-        L.append(f"| budget policy >= AR at every batch size | {'yes' if bt['budget_never_below_ar'] else 'NO'} |")
+        L.append(f"| budget policy >= AR at every batch size | {'yes' if bt['budget_never_below_ar'] else 'NO'}"
+                 + ("" if bt["budget_never_below_ar"] or "budget_never_below_ar_beyond_noise" not in bt else
+                    f" (within this run's AR-vs-AR noise: "
+                    f"{'yes' if bt['budget_never_below_ar_beyond_noise'] else 'NO'})") + " |")
     pr = res.get("peer")
     if pr and "skipped" not in pr:
         i = pr["identity"]["spec_vs_hf_assisted"]
@@ -1021,21 +1036,30 @@ def write_report(res: dict, out: Path, plots: list[str]) -> str:
     bt = res.get("batch")
     if bt:
         L += [f"## Batch size ({bt['drafter']} drafter, K={bt['draft_length']}, {bt['max_tokens']} new tokens)", "",
-              "| batch | AR tokens/s | fixed tokens/s | fixed speedup | budget tokens/s | budget speedup | budget mean K "
-              "| budget planning share of wall time |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| batch | AR tokens/s | AR again (noise) | fixed tokens/s | fixed speedup | budget tokens/s | "
+              "budget speedup | budget mean K | budget planning share of wall time |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for b, r in bt["by_batch_size"].items():
-            L.append(f"| {b} | {_f(r['ar']['tokens_per_s'], 1)} | {_f(r['fixed']['tokens_per_s'], 1)} | "
+            again = _f(r["ar_again"]["speedup"]) + "x" if "ar_again" in r else "-"
+            L.append(f"| {b} | {_f(r['ar']['tokens_per_s'], 1)} | {again} | {_f(r['fixed']['tokens_per_s'], 1)} | "
                      f"{_f(r['fixed']['speedup'])} | {_f(r['budget']['tokens_per_s'], 1)} | "
                      f"{_f(r['budget']['speedup'])} | {_f(r['budget']['drafted_tokens_per_step'])} | "
                      f"{_f(100 * r['budget'].get('policy_plan_fraction', 0.0), 1)}% |")
         verdict = ("the budget policy kept speculative throughput >= autoregressive at every batch size"
                    if bt["budget_never_below_ar"] else
-                   f"the budget policy fell BELOW autoregressive at batch sizes {bt['budget_below_ar_at']} "
-                   f"(by more than 3% at {bt['budget_below_ar_by_3pct_at'] or 'none'})")
+                   f"the budget policy fell below autoregressive at batch sizes {bt['budget_below_ar_at']} "
+                   f"(by more than 3% at {bt['budget_below_ar_by_3pct_at'] or 'none'}")
+        if not bt["budget_never_below_ar"] and "budget_below_ar_beyond_noise_at" in bt:
+            beyond = bt["budget_below_ar_beyond_noise_at"]
+            verdict += (f"; by more than this run's noise (max(2%, |1 - AR again/AR|)) at {beyond or 'none'})")
+        elif not bt["budget_never_below_ar"]:
+            verdict += ")"
         L += ["", f"Check: {verdict}.", "",
-              "budget mean K is the mean number of drafted tokens per request-step; when it is ~0 the policy "
-              "switched speculation off, and any remaining gap to AR is the policy's own planning cost per step.", ""]
+              "AR again runs the same autoregressive engine a second time in the same alternating run: its ratio "
+              "to AR is the timing noise of this machine at that batch size. budget mean K is the mean number of "
+              "drafted tokens per request-step; when it is ~0 the policy switched speculation off (its drafts do "
+              "not pay on this machine), and the remaining gap to AR is noise plus the policy's own cost per step "
+              "(planning, exploration, plain-run measurements).", ""]
     mis = res.get("misaligned")
     if mis:
         L += [f"## Misaligned draft sampling ({mis['drafter']} drafter, K={mis['draft_length']})", "",

@@ -10,6 +10,7 @@ Every policy changes only which tokens are proposed, never the output distributi
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from specrt.config import SpecConfig
@@ -153,10 +154,11 @@ class CostModel:
         self.num_plain = 0           # steady plain samples so far
         self._prev_drafted = True
         self.draft_samples: list[tuple[float, float, float, float]] = []  # (depth, tokens fed, attended, seconds)
-        self._dropped = 0   # samples aged out (keeps the refit counter monotonic)
+        self._added = [0, 0]        # verify / draft samples ever added
+        self._fitted_at = [None, None]
+        self.fit_version = 0        # bumped by every refit that changed a fit
         self._verify_coef = None
         self._draft_coef = None
-        self._fitted_at = None
 
     def add_verify(self, tokens: int, context: int, seconds: float, drafted: bool = False) -> None:
         steady_plain = not drafted and not self._prev_drafted
@@ -165,34 +167,36 @@ class CostModel:
         if drafted or steady_plain:
             self.verify_samples.append((tokens, context, float(drafted), seconds))
             self.num_plain += steady_plain
-            self._trim(self.verify_samples)
+            self._added[0] += 1
+            del self.verify_samples[:-512]
 
     def add_draft(self, depth: int, tokens_fed: int, attended: int, seconds: float) -> None:
         if depth > 0:
             self.draft_samples.append((depth, tokens_fed, attended, seconds))
-            self._trim(self.draft_samples)
+            self._added[1] += 1
+            del self.draft_samples[:-512]
 
-    def _trim(self, samples: list) -> None:
-        if len(samples) > 512:
-            self._dropped += len(samples) - 512
-            del samples[:-512]
+    def _due(self, i: int) -> bool:
+        """Refit model i after 16 new samples, or a quarter of the fitted window once it is full
+        (a fit costs ~0.3 ms, a real share of a millisecond-scale step)."""
+        n, at = self._added[i], self._fitted_at[i]
+        return n >= 4 and (at is None or n - at >= max(16, min(n, 256) // 4))
 
     def refit(self) -> None:
-        """Refit from the recent samples. A fit costs ~1 ms (a real share of a millisecond-scale
-        step), so it is redone only after 16 new samples."""
+        """Refit whichever model has enough new samples (see ``_due``)."""
         import numpy as np
 
-        seen = len(self.verify_samples) + len(self.draft_samples) + self._dropped
-        if self._fitted_at is not None and seen - self._fitted_at < 16:
-            return
-        self._fitted_at = seen
-        if len(self.verify_samples) >= 4:
+        if self._due(0):
+            self._fitted_at[0] = self._added[0]
             v = np.array(self.verify_samples[-256:], dtype=float)
             x = np.column_stack([np.ones(len(v)), v[:, :3]])
             self._verify_coef = _nonneg_fit(x, v[:, 3], always=[0], optional=[1, 2, 3])
-        if len(self.draft_samples) >= 4:
+            self.fit_version += 1
+        if self._due(1):
+            self._fitted_at[1] = self._added[1]
             d = np.array(self.draft_samples[-256:], dtype=float)
             self._draft_coef = _nonneg_fit(d[:, :3], d[:, 3], always=[0], optional=[1, 2])
+            self.fit_version += 1
 
     @property
     def has_draft_fit(self) -> bool:
@@ -230,24 +234,38 @@ class BudgetPolicy(DraftPolicy):
     verify may take another path; now and then a plain step keeps that measured). For each
     depth the best allocation at throughput lambda maximises
     gain - lambda * cost per request; a few fixed-point rounds (Dinkelbach) find lambda, and the
-    best depth wins. K=0 for everyone (speculation off) when drafting does not pay, e.g. large
+    best depth wins if it beats plain decoding by ``min_gain`` (5%: the fitted costs are noisy,
+    and a thin predicted gain is as likely a loss). K=0 for everyone (speculation off) when drafting does not pay, e.g. large
     batches where a verify is no longer almost free, or short requests with long prompts.
 
     A request kept at K=0 produces no acceptance evidence, so every ``explore_every`` idle steps
     it drafts one token, but only if an optimistic acceptance (its estimate + 0.25) would pay for
-    that token and its catch-up at the current throughput: a drafter too slow to ever pay here
-    never costs a catch-up."""
+    that token and its catch-up at the current throughput, and only with 2 x explore_every
+    tokens left to use what it finds: a drafter too slow to ever pay here never costs a catch-up.
+    A request without history is expected to accept what all requests recently did."""
 
     name = "budget"
     explore_every = 16
     plain_every = 64
     plain_run = 3
+    min_gain = 0.05     # draft only for a predicted gain above the costs' estimation error
     optimism = 0.25
 
     def __init__(self, spec: SpecConfig):
         super().__init__(spec)
         self._off = None   # the last full plan, while it switched speculation off (see plan)
         self._plain_left = 0
+        self._pooled = deque(maxlen=512)   # recent acceptance outcomes of every request
+
+    def observe(self, request, drafted: int, accepted: int) -> None:
+        super().observe(request, drafted, accepted)
+        if drafted:
+            self._pooled.extend([1] * accepted + ([0] if accepted < drafted else []))
+
+    def _prior(self) -> float:
+        """What a request without history is expected to accept: the pooled recent rate of all
+        requests (0.7 until 32 outcomes are known)."""
+        return sum(self._pooled) / len(self._pooled) if len(self._pooled) >= 32 else 0.7
 
     def plan(self, requests, k_caps, costs=None, catchup=None):
         import numpy as np
@@ -273,7 +291,7 @@ class BudgetPolicy(DraftPolicy):
         # under explore_every steps (no drafting means no new acceptance evidence; caps only shrink; the draft lags
         # and the steps left shrink, both of which only make drafting dearer). Planning is then
         # a lookup, so an off policy costs next to nothing per step.
-        key = (tuple(id(r) for r in requests), tuple(c > 0 for c in caps), costs._fitted_at)
+        key = (tuple(id(r) for r in requests), tuple(c > 0 for c in caps), costs.fit_version)
         off = self._off
         if off is not None and off["key"] == key and off["age"] < self.explore_every:
             off["age"] += 1
@@ -285,7 +303,8 @@ class BudgetPolicy(DraftPolicy):
         caps_a = np.array(caps)
         floor = np.minimum(self.spec.min_draft_length, caps_a)
         kmax = int(caps_a.max())
-        rates = np.array([recent_acceptance(r, self.spec.acceptance_window) for r in requests])
+        prior = self._prior()
+        rates = np.array([recent_acceptance(r, self.spec.acceptance_window, prior) for r in requests])
         ctxs = np.array([r.context_len for r in requests], dtype=float)
         left = np.array([max(r.params.max_tokens - r.num_generated, 1) for r in requests], dtype=float)
         ctx = float(ctxs.sum())
@@ -318,6 +337,10 @@ class BudgetPolicy(DraftPolicy):
                 lam = val
                 if val > best * (1 + 1e-9):
                     best, best_ks = val, choice.copy()
+        plain = value(floor)
+        if best < plain * (1.0 + self.min_gain):
+            best, best_ks = plain, floor      # not worth the estimation error: stay plain
+        self.last_prediction = (best, plain)
         out = [int(k) for k in best_ks]
         prices = (per_verify, d_fwd + d_fwd1, d_tok, d_ctx)
         if not any(out):
@@ -345,13 +368,16 @@ class BudgetPolicy(DraftPolicy):
     def _explore(self, requests, ks, caps, lag, lam, prices, fitted) -> None:
         per_verify, d_fwd, d_tok, d_ctx = prices
         someone_drafts = any(ks)
+        prior = None
         for b, r in enumerate(requests):
             idle = r.policy_state.get("steps_without_draft", 0)
-            if ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every:
+            left = max(r.params.max_tokens - r.num_generated, 1)
+            # worth a look only with enough tokens left to use what it finds
+            if ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every and left >= 2 * self.explore_every:
                 # would one token pay at the current throughput if this request's drafts were
                 # accepted more often than measured? (always, while draft costs are unmeasured)
-                r_opt = min(recent_acceptance(r, self.spec.acceptance_window) + self.optimism, 0.97)
-                left = max(r.params.max_tokens - r.num_generated, 1)
+                prior = self._prior() if prior is None else prior
+                r_opt = min(recent_acceptance(r, self.spec.acceptance_window, prior) + self.optimism, 0.97)
                 steps_left = max(left / (1.0 + r_opt), 1.0)
                 price = (per_verify + d_tok + d_ctx * r.context_len + d_tok * lag[b] / steps_left
                          + (0.0 if someone_drafts else d_fwd))

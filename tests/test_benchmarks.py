@@ -50,7 +50,13 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
     assert "head" in ks["policies"] or "head" in ks["skipped"]
     assert set(ks["expected_accepted"]) == {str(k) for k in s.ks}
     assert set(data["temperature"]["by_temperature"]) == {str(t) for t in s.temperatures}
-    assert set(data["batch"]["by_batch_size"]) == {str(b) for b in s.batch_sizes}
+    bt = data["batch"]
+    assert set(bt["by_batch_size"]) == {str(b) for b in s.batch_sizes}
+    for r in bt["by_batch_size"].values():
+        assert {"ar", "ar_again", "fixed", "budget"} <= set(r)
+        assert r["ar_again"]["identical_to_ar"] and r["budget"]["identical_to_ar"]
+    assert set(bt["ar_vs_ar_noise"]) == set(bt["by_batch_size"])
+    assert set(bt["budget_below_ar_beyond_noise_at"]) <= set(bt["budget_below_ar_at"])
     assert len(data["misaligned"]["cases"]) >= 2
     peer = data["peer"]
     assert "skipped" not in peer, peer
