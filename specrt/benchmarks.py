@@ -27,11 +27,13 @@ never trained on) plus a few fixed free-text snippets below.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
 import os
 import platform
+import random
 import re
 import socket
 import statistics
@@ -259,6 +261,27 @@ def make_llm(target, draft, spec, device, dtype=None, misalign: dict | None = No
     return llm
 
 
+@contextlib.contextmanager
+def _shared_weights(store: dict):
+    """Engines built inside share loaded models (read-only weights) by (path, dtype, device):
+    every mode of a comparison then runs literally the same target, and on a CPU no mode's
+    weights are colder in the caches than another's because they are a different copy."""
+    from specrt.engine import LLMEngine
+
+    original = LLMEngine._load_model
+
+    def load(self, path, dtype):
+        key = (str(Path(path).resolve()), str(dtype), str(self.device))
+        if key not in store:
+            store[key] = original(self, path, dtype)
+        return store[key]
+    LLMEngine._load_model = load
+    try:
+        yield
+    finally:
+        LLMEngine._load_model = original
+
+
 def _time_policy(llm) -> None:
     """Accumulate the host time the draft-length policy spends planning (engine.policy.plan)."""
     eng = llm.engine
@@ -293,8 +316,9 @@ def _generate_timed(llm, prompts: list[list[int]], params, batched: bool) -> tup
 def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool = False,
             baseline: str = "ar") -> dict:
     """modes: {name: (llm, params)}, each with its own LLM. Batch 1 (batched=False): for every
-    prompt all modes run back to back, in an order that alternates from prompt to prompt and
-    from repeat to repeat, so machine noise hits every mode alike; batched: the whole batch is
+    prompt all modes run back to back, in a (seeded) random order that changes from prompt to
+    prompt and from repeat to repeat, so machine noise and position effects (a mode that runs
+    right after itself finds its weights in the CPU caches) hit every mode alike; batched: the whole batch is
     one unit. Time of a mode = sum over units of the median over repeats. Stats (acceptance,
     tau, ...) are one repeat's, over all prompts (seeded: every repeat decodes the same tokens)."""
     from specrt.metrics import EngineMetrics
@@ -311,7 +335,9 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
             eng.metrics = EngineMetrics()
             plan0[m] = getattr(eng, "_bench_plan_s", 0.0)
         for u, unit in enumerate(units):
-            for m in (names if (rep + u) % 2 == 0 else names[::-1]):
+            order = list(names)
+            random.Random(1000 * rep + u).shuffle(order)
+            for m in order:
                 llm, params = modes[m]
                 secs[m][u][rep], out = _generate_timed(llm, unit, params, batched)
                 ids[m][u] = out
@@ -499,6 +525,7 @@ class Bench:
         self.target, self.draft, self.device, self.s, self.log = target, draft, device, settings, log
         self.note = note
         self._llms: dict = {}
+        self._weights: dict = {}    # loaded models shared by every engine of this run
         from specrt.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(_model_dir(target, "target"))
@@ -530,7 +557,8 @@ class Bench:
         key = (draft, json.dumps(misalign, sort_keys=True), json.dumps(spec_kw, sort_keys=True))
         if key not in self._llms:
             spec = specrt.SpecConfig(**spec_kw)
-            llm = make_llm(self.target, draft, spec, self.device, misalign=misalign)
+            with _shared_weights(self._weights):
+                llm = make_llm(self.target, draft, spec, self.device, misalign=misalign)
             _time_policy(llm)
             llm.warmup(2, 8)
             self._llms[key] = llm
@@ -639,16 +667,26 @@ class Bench:
             modes = {"ar": (ar, params), "ar_again": (ar, params),
                      "fixed": (self.llm(d, max_draft_length=K), params),
                      "budget": (self.llm(d, policy="budget", max_draft_length=K), params)}
+            if self.main_drafter != "ngram":
+                # the free n-gram drafter too: where drafting pays, the budget policy must draft
+                modes["ngram_fixed"] = (self.llm("ngram", max_draft_length=K), params)
+                modes["ngram_budget"] = (self.llm("ngram", policy="budget", max_draft_length=K), params)
             out[str(B)] = _strip_ids(compare(modes, prompts, max(self.s.repeats, self.s.batch_repeats), batched=True))
-        viol = [B for B, r in out.items() if r["budget"]["tokens_per_s"] < r["ar"]["tokens_per_s"]]
-        viol3 = [B for B, r in out.items() if r["budget"]["tokens_per_s"] < 0.97 * r["ar"]["tokens_per_s"]]
         noise = {B: abs(1.0 - r["ar_again"]["speedup"]) for B, r in out.items()}
         tol = {B: max(0.02, n) for B, n in noise.items()}
-        viol_noise = [B for B, r in out.items() if r["budget"]["speedup"] < 1.0 - tol[B]]
-        return {"drafter": self.main_drafter, "draft_length": K, "max_tokens": self.s.batch_max_tokens,
-                "by_batch_size": out, "budget_below_ar_at": viol, "budget_below_ar_by_3pct_at": viol3,
-                "ar_vs_ar_noise": noise, "budget_below_ar_beyond_noise_at": viol_noise,
-                "budget_never_below_ar": not viol, "budget_never_below_ar_beyond_noise": not viol_noise}
+        res = {"drafter": self.main_drafter, "draft_length": K, "max_tokens": self.s.batch_max_tokens,
+               "by_batch_size": out, "ar_vs_ar_noise": noise}
+        for m in ("budget", "ngram_budget"):
+            if not all(m in r for r in out.values()):
+                continue
+            viol = [B for B, r in out.items() if r[m]["tokens_per_s"] < r["ar"]["tokens_per_s"]]
+            res[f"{m}_below_ar_at"] = viol
+            res[f"{m}_below_ar_by_3pct_at"] = [B for B, r in out.items()
+                                              if r[m]["tokens_per_s"] < 0.97 * r["ar"]["tokens_per_s"]]
+            res[f"{m}_below_ar_beyond_noise_at"] = [B for B, r in out.items() if r[m]["speedup"] < 1.0 - tol[B]]
+            res[f"{m}_never_below_ar"] = not viol
+            res[f"{m}_never_below_ar_beyond_noise"] = not res[f"{m}_below_ar_beyond_noise_at"]
+        return res
 
     def section_misaligned(self) -> dict:
         prompts = self.sweep_prompts()
@@ -855,10 +893,16 @@ def write_plots(res: dict, out: Path) -> list[str]:
     if bt:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
         bs = sorted(int(b) for b in bt["by_batch_size"])
-        for i, m in enumerate(("ar", "fixed", "budget")):
-            a1.plot(bs, [bt["by_batch_size"][str(b)][m]["tokens_per_s"] for b in bs], "o-", color=f"C{i}", label=m)
+        for i, m in enumerate(("ar", "fixed", "budget", "ngram_fixed", "ngram_budget")):
+            if not all(m in bt["by_batch_size"][str(b)] for b in bs):
+                continue
+            label = m.replace("_", " ") if m.startswith("ngram") else (m if m == "ar" else f"{bt['drafter']} {m}")
+            style = "s--" if m.startswith("ngram") else "o-"
+            a1.plot(bs, [bt["by_batch_size"][str(b)][m]["tokens_per_s"] for b in bs], style, color=f"C{i}",
+                    label=label)
             if m != "ar":
-                a2.plot(bs, [bt["by_batch_size"][str(b)][m]["speedup"] for b in bs], "o-", color=f"C{i}", label=m)
+                a2.plot(bs, [bt["by_batch_size"][str(b)][m]["speedup"] for b in bs], style, color=f"C{i}",
+                        label=label)
         if all("ar_again" in bt["by_batch_size"][str(b)] for b in bs):
             a2.plot(bs, [bt["by_batch_size"][str(b)]["ar_again"]["speedup"] for b in bs], "x:", color="gray",
                     label="AR again (noise)")
@@ -869,8 +913,8 @@ def write_plots(res: dict, out: Path) -> list[str]:
         a1.set_ylabel("tokens/s")
         a2.set_ylabel("speedup over autoregressive")
         a2.axhline(1.0, color="gray", lw=0.8)
-        a1.legend()
-        a2.legend()
+        a1.legend(fontsize=8)
+        a2.legend(fontsize=8)
         a1.set_title("throughput vs batch size")
         a2.set_title(f"speedup vs batch size (K={bt['draft_length']})")
         save(fig, "speedup_vs_batch.png")
@@ -938,10 +982,16 @@ def headline_table(res: dict) -> str:
         L.append("| batch size: speedup fixed / budget | " + ", ".join(
             f"B={b}: {_f(r['fixed']['speedup'])} / {_f(r['budget']['speedup'])}"
             for b, r in bt["by_batch_size"].items()) + " |")
-        L.append(f"| budget policy >= AR at every batch size | {'yes' if bt['budget_never_below_ar'] else 'NO'}"
-                 + ("" if bt["budget_never_below_ar"] or "budget_never_below_ar_beyond_noise" not in bt else
-                    f" (within this run's AR-vs-AR noise: "
-                    f"{'yes' if bt['budget_never_below_ar_beyond_noise'] else 'NO'})") + " |")
+        if "ngram_budget_never_below_ar" in bt:
+            L.append("| batch size, n-gram drafter: speedup fixed / budget | " + ", ".join(
+                f"B={b}: {_f(r['ngram_fixed']['speedup'])} / {_f(r['ngram_budget']['speedup'])}"
+                for b, r in bt["by_batch_size"].items()) + " |")
+        for m, label in (("budget", f"budget policy ({bt['drafter']})"), ("ngram_budget", "budget policy (n-gram)")):
+            if f"{m}_never_below_ar" not in bt:
+                continue
+            ok, ok_noise = bt[f"{m}_never_below_ar"], bt[f"{m}_never_below_ar_beyond_noise"]
+            L.append(f"| {label} >= AR at every batch size | {'yes' if ok else 'NO'}"
+                     + ("" if ok else f" (within this run's AR-vs-AR noise: {'yes' if ok_noise else 'NO'})") + " |")
     pr = res.get("peer")
     if pr and "skipped" not in pr:
         i = pr["identity"]["spec_vs_hf_assisted"]
@@ -1035,31 +1085,41 @@ def write_report(res: dict, out: Path, plots: list[str]) -> str:
                   "sampling at T>0 is exact in distribution only.", ""]
     bt = res.get("batch")
     if bt:
-        L += [f"## Batch size ({bt['drafter']} drafter, K={bt['draft_length']}, {bt['max_tokens']} new tokens)", "",
+        ng = all("ngram_budget" in r for r in bt["by_batch_size"].values())
+        L += [f"## Batch size ({bt['drafter']} drafter{' and n-gram' if ng else ''}, K={bt['draft_length']}, "
+              f"{bt['max_tokens']} new tokens)", "",
               "| batch | AR tokens/s | AR again (noise) | fixed tokens/s | fixed speedup | budget tokens/s | "
-              "budget speedup | budget mean K | budget planning share of wall time |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "budget speedup | budget mean K | budget planning share of wall time |"
+              + (" n-gram fixed speedup | n-gram budget speedup | n-gram budget mean K |" if ng else ""),
+              "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if ng else "")]
         for b, r in bt["by_batch_size"].items():
             again = _f(r["ar_again"]["speedup"]) + "x" if "ar_again" in r else "-"
-            L.append(f"| {b} | {_f(r['ar']['tokens_per_s'], 1)} | {again} | {_f(r['fixed']['tokens_per_s'], 1)} | "
-                     f"{_f(r['fixed']['speedup'])} | {_f(r['budget']['tokens_per_s'], 1)} | "
-                     f"{_f(r['budget']['speedup'])} | {_f(r['budget']['drafted_tokens_per_step'])} | "
-                     f"{_f(100 * r['budget'].get('policy_plan_fraction', 0.0), 1)}% |")
-        verdict = ("the budget policy kept speculative throughput >= autoregressive at every batch size"
-                   if bt["budget_never_below_ar"] else
-                   f"the budget policy fell below autoregressive at batch sizes {bt['budget_below_ar_at']} "
-                   f"(by more than 3% at {bt['budget_below_ar_by_3pct_at'] or 'none'}")
-        if not bt["budget_never_below_ar"] and "budget_below_ar_beyond_noise_at" in bt:
-            beyond = bt["budget_below_ar_beyond_noise_at"]
-            verdict += (f"; by more than this run's noise (max(2%, |1 - AR again/AR|)) at {beyond or 'none'})")
-        elif not bt["budget_never_below_ar"]:
-            verdict += ")"
-        L += ["", f"Check: {verdict}.", "",
-              "AR again runs the same autoregressive engine a second time in the same alternating run: its ratio "
-              "to AR is the timing noise of this machine at that batch size. budget mean K is the mean number of "
-              "drafted tokens per request-step; when it is ~0 the policy switched speculation off (its drafts do "
-              "not pay on this machine), and the remaining gap to AR is noise plus the policy's own cost per step "
-              "(planning, exploration, plain-run measurements).", ""]
+            row = (f"| {b} | {_f(r['ar']['tokens_per_s'], 1)} | {again} | {_f(r['fixed']['tokens_per_s'], 1)} | "
+                   f"{_f(r['fixed']['speedup'])} | {_f(r['budget']['tokens_per_s'], 1)} | "
+                   f"{_f(r['budget']['speedup'])} | {_f(r['budget']['drafted_tokens_per_step'])} | "
+                   f"{_f(100 * r['budget'].get('policy_plan_fraction', 0.0), 1)}% |")
+            if ng:
+                row += (f" {_f(r['ngram_fixed']['speedup'])} | {_f(r['ngram_budget']['speedup'])} | "
+                        f"{_f(r['ngram_budget']['drafted_tokens_per_step'])} |")
+            L.append(row)
+        L.append("")
+        for m, label in (("budget", f"the budget policy ({bt['drafter']} drafter)"),
+                         ("ngram_budget", "the budget policy (n-gram drafter)")):
+            if f"{m}_never_below_ar" not in bt:
+                continue
+            if bt[f"{m}_never_below_ar"]:
+                verdict = f"{label} kept speculative throughput >= autoregressive at every batch size"
+            else:
+                verdict = (f"{label} fell below autoregressive at batch sizes {bt[f'{m}_below_ar_at']} (by more "
+                           f"than 3% at {bt[f'{m}_below_ar_by_3pct_at'] or 'none'}; by more than this run's noise, "
+                           f"max(2%, |1 - AR again/AR|), at {bt[f'{m}_below_ar_beyond_noise_at'] or 'none'})")
+            L.append(f"Check: {verdict}.")
+        L += ["",
+              "AR again runs the same autoregressive engine a second time in the same run (modes in a seeded random "
+              "order per repeat): its ratio to AR is the timing noise of this machine at that batch size. Mean K is "
+              "the mean number of drafted tokens per request-step; when it is ~0 the policy switched speculation "
+              "off (its drafts do not pay here), and the remaining gap to AR is noise plus the policy's own cost "
+              "per step (planning, exploration, plain-run measurements).", ""]
     mis = res.get("misaligned")
     if mis:
         L += [f"## Misaligned draft sampling ({mis['drafter']} drafter, K={mis['draft_length']})", "",

@@ -249,7 +249,11 @@ class LLMEngine:
             draft = self._draft(batch, ks)
             tokens, accepted, verify_s, pre = self._verify(batch, ks, draft)
             self._commit(batch, draft, tokens, accepted, verify_s, pre)
-            self._record_costs(draft, time.perf_counter() - t_step)
+            step_s = time.perf_counter() - t_step
+            self._record_costs(draft, step_s)
+            if self.speculative and self._forced_k is None:
+                self.policy.step_done(sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch)),
+                                      step_s)
             outs = [self._output(r, *before[i]) for i, r in enumerate(batch)]
             return outs + self._drain_finished(exclude=batch)
 

@@ -42,6 +42,9 @@ class DraftPolicy:
     def observe(self, request, drafted: int, accepted: int) -> None:
         request.accept_history.extend([1] * accepted + ([0] if accepted < drafted else []))
 
+    def step_done(self, emitted: int, seconds: float) -> None:
+        """After each step: the tokens it emitted over all requests and its wall time."""
+
 
 class FixedPolicy(DraftPolicy):
     name = "fixed"
@@ -235,7 +238,10 @@ class BudgetPolicy(DraftPolicy):
     depth the best allocation at throughput lambda maximises
     gain - lambda * cost per request; a few fixed-point rounds (Dinkelbach) find lambda, and the
     best depth wins if it beats plain decoding by ``min_gain`` (5%: the fitted costs are noisy,
-    and a thin predicted gain is as likely a loss). K=0 for everyone (speculation off) when drafting does not pay, e.g. large
+    and a thin predicted gain is as likely a loss). Both predictions are corrected by what past
+    steps of their kind delivered against their prediction (``step_done``): a model that is
+    optimistic about drafting (acceptance that is not independent per position, costs it does
+    not see) is overruled by the measured outcome. K=0 for everyone (speculation off) when drafting does not pay, e.g. large
     batches where a verify is no longer almost free, or short requests with long prompts.
 
     A request kept at K=0 produces no acceptance evidence, so every ``explore_every`` idle steps
@@ -248,7 +254,12 @@ class BudgetPolicy(DraftPolicy):
     explore_every = 16
     plain_every = 64
     plain_run = 3
+    replan_every = 64   # while off, a full plan at least this often (contexts grow)
     min_gain = 0.05     # draft only for a predicted gain above the costs' estimation error
+    track_decay = 0.95  # realized / predicted: weight of a step falls by this per later step of its kind
+    track_prior = 20.0  # steps' worth of 'as predicted' the measured ratio is shrunk towards
+    prior_weight = 8.0  # outcomes' worth of the pooled rate in a request's own acceptance estimate
+    track_forget = 0.998  # per step of the other kind (half-life ~350 steps)
     optimism = 0.25
 
     def __init__(self, spec: SpecConfig):
@@ -256,11 +267,23 @@ class BudgetPolicy(DraftPolicy):
         self._off = None   # the last full plan, while it switched speculation off (see plan)
         self._plain_left = 0
         self._pooled = deque(maxlen=512)   # recent acceptance outcomes of every request
+        # per kind (plain, drafted): decayed sums of realized tokens, seconds, predicted tokens,
+        # seconds, and the steps' weight (see step_done)
+        self._track = [[0.0] * 5, [0.0] * 5]
+        self._fill = 1.0                   # pooled fraction of asked draft tokens proposed
+        self._tracked = None               # (kind, predicted tokens, predicted seconds) of this step
 
     def observe(self, request, drafted: int, accepted: int) -> None:
         super().observe(request, drafted, accepted)
         if drafted:
             self._pooled.extend([1] * accepted + ([0] if accepted < drafted else []))
+        asked = request.policy_state.pop("asked", 0)
+        if asked > 0:
+            # how much of what was asked the drafter proposed (an n-gram drafter proposes nothing
+            # without a match; a model drafter always all of it)
+            fill = request.policy_state.get("fill", self._fill)
+            request.policy_state["fill"] = fill + 0.25 * (min(drafted / asked, 1.0) - fill)
+            self._fill += 0.05 * (min(drafted / asked, 1.0) - self._fill)
 
     def _prior(self) -> float:
         """What a request without history is expected to accept: the pooled recent rate of all
@@ -286,17 +309,19 @@ class BudgetPolicy(DraftPolicy):
             if self._plain_left > 0:
                 self._plain_left -= 1
                 self._count_idle(requests)
+                self._tracked = None
                 return [0] * n
         # Speculation off stays off while nothing it depended on moved: the same batch, no refit,
-        # under explore_every steps (no drafting means no new acceptance evidence; caps only shrink; the draft lags
-        # and the steps left shrink, both of which only make drafting dearer). Planning is then
-        # a lookup, so an off policy costs next to nothing per step.
+        # under replan_every steps (no drafting means no new acceptance evidence; caps only
+        # shrink; the draft lags and the steps left shrink, both of which only make drafting
+        # dearer). Planning is then a lookup, so an off policy costs next to nothing per step.
         key = (tuple(id(r) for r in requests), tuple(c > 0 for c in caps), costs.fit_version)
         off = self._off
-        if off is not None and off["key"] == key and off["age"] < self.explore_every:
+        if off is not None and off["key"] == key and off["age"] < self.replan_every:
             off["age"] += 1
             out = [0] * n
             self._explore(requests, out, caps, lag, off["lam"], off["prices"], costs.has_draft_fit)
+            self._tracked = None if any(out) or off["prefill"] else (0, n, n / max(off["lam"], 1e-12))
             return out
         self._off = None
 
@@ -304,7 +329,7 @@ class BudgetPolicy(DraftPolicy):
         floor = np.minimum(self.spec.min_draft_length, caps_a)
         kmax = int(caps_a.max())
         prior = self._prior()
-        rates = np.array([recent_acceptance(r, self.spec.acceptance_window, prior) for r in requests])
+        rates = np.array([recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight) for r in requests])
         ctxs = np.array([r.context_len for r in requests], dtype=float)
         left = np.array([max(r.params.max_tokens - r.num_generated, 1) for r in requests], dtype=float)
         ctx = float(ctxs.sum())
@@ -315,14 +340,20 @@ class BudgetPolicy(DraftPolicy):
         d_fwd1 = max(t_drafted - t_ar, 0.0)    # a step that drafts at all pays this once
 
         ks = np.arange(kmax + 1)
-        gains, cost = self._tables(rates, ks, per_verify + d_tok + d_ctx * ctxs, d_tok * np.array(lag, float), left)
+        fill = np.array([r.policy_state.get("fill", self._fill) for r in requests])
+        gains, cost = self._tables(rates, ks, per_verify + d_tok + d_ctx * ctxs, d_tok * np.array(lag, float), left,
+                                   fill)
         rows = np.arange(n)
 
-        def value(choice):
-            g = n + gains[rows, choice].sum()
+        def tokens_time(choice):
             depth = int(choice.max())
-            t = t_ar + cost[rows, choice].sum() + d_fwd * depth + (d_fwd1 if depth else 0.0)
-            return g / max(t, 1e-12)
+            g = n + gains[rows, choice].sum()
+            return float(g), float(max(t_ar + cost[rows, choice].sum() + d_fwd * depth + (d_fwd1 if depth else 0.0),
+                                       1e-12))
+
+        def value(choice):
+            g, t = tokens_time(choice)
+            return g / t
 
         best_ks = floor.copy()
         best = value(best_ks)
@@ -338,26 +369,66 @@ class BudgetPolicy(DraftPolicy):
                 if val > best * (1 + 1e-9):
                     best, best_ks = val, choice.copy()
         plain = value(floor)
-        if best < plain * (1.0 + self.min_gain):
+        # what past steps delivered against what was predicted for them (log ratio, per kind)
+        # corrects what the fit misses, e.g. acceptance that is not independent per position
+        drafted_pred = best
+        if best * self.correction(1) < plain * self.correction(0) * (1.0 + self.min_gain):
             best, best_ks = plain, floor      # not worth the estimation error: stay plain
-        self.last_prediction = (best, plain)
+        self.last_prediction = (drafted_pred, plain)
         out = [int(k) for k in best_ks]
+        for r, k in zip(requests, out):
+            r.policy_state["asked"] = k
+        drafts = any(out)
+        # a step that (re)computes a context (prefill, after preemption) is not what was priced
+        prefill = any(r.context_len - r.target_cached > 1 for r in requests)
+        measured = costs._verify_coef is not None     # else the prediction is in made-up units
+        self._tracked = (int(drafts), *tokens_time(best_ks)) if measured and not prefill else None
         prices = (per_verify, d_fwd + d_fwd1, d_tok, d_ctx)
-        if not any(out):
-            self._off = {"key": key, "age": 1, "lam": best, "prices": prices}
+        if not drafts:
+            self._off = {"key": key, "age": 1, "lam": best, "prices": prices, "prefill": prefill or not measured}
         self._explore(requests, out, caps, lag, best, prices, costs.has_draft_fit)
+        if any(out) != drafts:
+            self._tracked = None              # an exploration step: not what was predicted
         return out
 
+    def step_done(self, emitted: int, seconds: float) -> None:
+        """Track what planned steps delivered against their prediction, per kind (plain,
+        drafted): decayed sums of realized and predicted tokens and seconds, so a ratio of
+        throughputs (single drafted steps are spiky: all rejected, or all accepted). Exploration,
+        forced plain and prefill steps are not tracked. The other kind's evidence fades, so a
+        pessimism formed under other conditions does not last forever."""
+        tracked, self._tracked = self._tracked, None
+        if tracked is None or seconds <= 0:
+            return
+        kind, tokens, secs = tracked
+        t = self._track[kind]
+        for i, x in enumerate((emitted, seconds, tokens, secs, 1.0)):
+            t[i] = self.track_decay * t[i] + x
+        self._track[1 - kind] = [x * self.track_forget for x in self._track[1 - kind]]
+
+    def correction(self, kind: int) -> float:
+        """Realized / predicted throughput of past planned steps of this kind, shrunk towards 1
+        by the weight of the evidence (1 with none)."""
+        r_tok, r_sec, p_tok, p_sec, w = self._track[kind]
+        if w <= 0 or r_sec <= 0 or p_tok <= 0:
+            return 1.0
+        ratio = min(max((r_tok / r_sec) / (p_tok / p_sec), 0.25), 4.0)
+        return ratio ** (w / (w + self.track_prior))
+
     @staticmethod
-    def _tables(rates, ks, per_token, fixed_total, left):
-        """gains[b, k] = sum_{i<=k} r_b^i; cost[b, k] = k * per_token[b] + (k > 0) * the catch-up
-        fixed_total[b] spread over the request's remaining steps at that k."""
+    def _tables(rates, ks, per_token, fixed_total, left, fill=None):
+        """gains[b, k] = fill_b * sum_{i<=k} r_b^i; cost[b, k] = fill_b * k * per_token[b] + (k > 0) *
+        the catch-up fixed_total[b] spread over the request's remaining steps at that k. fill_b: the
+        fraction of asked tokens the drafter proposes (what is not proposed is neither verified
+        nor accepted)."""
         import numpy as np
 
+        fill = np.ones_like(rates) if fill is None else fill
         powers = rates[:, None] ** ks[None, :]                      # r^0 .. r^K
-        gains = np.cumsum(powers, 1) - 1.0                          # sum_{i=1..k} r^i
+        gains = (np.cumsum(powers, 1) - 1.0) * fill[:, None]        # fill * sum_{i=1..k} r^i
         steps_left = np.maximum(left[:, None] / (1.0 + gains), 1.0)
-        cost = ks[None, :] * per_token[:, None] + np.where(ks[None, :] > 0, fixed_total[:, None] / steps_left, 0.0)
+        cost = (ks[None, :] * (per_token * fill)[:, None]
+                + np.where(ks[None, :] > 0, fixed_total[:, None] / steps_left, 0.0))
         return gains, cost
 
     @staticmethod
@@ -377,11 +448,11 @@ class BudgetPolicy(DraftPolicy):
                 # would one token pay at the current throughput if this request's drafts were
                 # accepted more often than measured? (always, while draft costs are unmeasured)
                 prior = self._prior() if prior is None else prior
-                r_opt = min(recent_acceptance(r, self.spec.acceptance_window, prior) + self.optimism, 0.97)
+                r_opt = min(recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight) + self.optimism, 0.97)
                 steps_left = max(left / (1.0 + r_opt), 1.0)
                 price = (per_verify + d_tok + d_ctx * r.context_len + d_tok * lag[b] / steps_left
                          + (0.0 if someone_drafts else d_fwd))
-                if not fitted or r_opt >= lam * price:
+                if not fitted or r_opt * self.correction(1) >= lam * price * self.correction(0):
                     ks[b] = 1
                 idle = -1          # explored, or not worth it: look again in explore_every steps
             r.policy_state["steps_without_draft"] = 0 if ks[b] > 0 else idle + 1

@@ -53,10 +53,11 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
     bt = data["batch"]
     assert set(bt["by_batch_size"]) == {str(b) for b in s.batch_sizes}
     for r in bt["by_batch_size"].values():
-        assert {"ar", "ar_again", "fixed", "budget"} <= set(r)
-        assert r["ar_again"]["identical_to_ar"] and r["budget"]["identical_to_ar"]
+        assert {"ar", "ar_again", "fixed", "budget", "ngram_fixed", "ngram_budget"} <= set(r)
+        assert all(v["identical_to_ar"] for v in r.values())
     assert set(bt["ar_vs_ar_noise"]) == set(bt["by_batch_size"])
-    assert set(bt["budget_below_ar_beyond_noise_at"]) <= set(bt["budget_below_ar_at"])
+    for m in ("budget", "ngram_budget"):
+        assert set(bt[f"{m}_below_ar_beyond_noise_at"]) <= set(bt[f"{m}_below_ar_at"])
     assert len(data["misaligned"]["cases"]) >= 2
     peer = data["peer"]
     assert "skipped" not in peer, peer

@@ -15,6 +15,7 @@ def make_requests(n: int, rate: float = 0.9, prompt: int = 100, max_tokens: int 
     reqs = []
     for i in range(n):
         r = Request(f"r{i}", list(range(prompt)), SamplingParams(max_tokens=max_tokens), seed=i)
+        r.target_cached = r.draft_cached = prompt - 1     # decoding: the prompt is prefilled
         ones = int(round(rate * history))
         r.accept_history.extend([1] * ones + [0] * (history - ones))
         reqs.append(r)
@@ -151,3 +152,29 @@ def test_min_draft_length_and_caps_are_respected():
     assert pol.plan(reqs, [4, 1, 0], c) == [2, 1, 0]
     c = costs(verify=(5e-3, 2e-5, 0, 0), draft=(2e-4, 0, 0))
     assert policy(k=6).plan(make_requests(3, rate=0.95), [6, 2, 0], c) == [6, 2, 0]
+
+
+def test_realized_throughput_overrules_an_optimistic_model():
+    """The fit says drafting gains ~44%, but drafted steps deliver 40% of the predicted tokens:
+    after some steps the policy stops drafting; a later return to form brings drafting back."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(1e-3, 0, 0))
+    pol, reqs = policy(), make_requests(2, rate=0.8)
+    assert max(pol.plan(reqs, [4, 4], c)) > 0
+    assert pol.last_prediction[0] / pol.last_prediction[1] == pytest.approx(1.44, abs=0.05)
+    planned, explored = [], 0
+    for _ in range(128):
+        ks = pol.plan(reqs, [4, 4], c)
+        if pol._tracked is None:                  # an exploration step (K=1, not the plan's choice)
+            explored += 1
+            continue
+        kind, tokens, secs = pol._tracked
+        pol.step_done(emitted=tokens * (0.4 if kind else 1.0), seconds=secs)
+        planned.append(any(ks))
+    assert planned[0] and not any(planned[-40:]) and explored <= 128 // pol.explore_every
+    assert pol.correction(1) < 0.8 and pol.correction(0) == pytest.approx(1.0)
+    # the pessimism decays while only plain steps are seen
+    for _ in range(1500):
+        pol.plan(reqs, [4, 4], c)
+        if pol._tracked:
+            pol.step_done(emitted=pol._tracked[1], seconds=pol._tracked[2])
+    assert max(pol.plan(reqs, [4, 4], c)) > 0
