@@ -319,7 +319,8 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
     prompt all modes run back to back, in a (seeded) random order that changes from prompt to
     prompt and from repeat to repeat, so machine noise and position effects (a mode that runs
     right after itself finds its weights in the CPU caches) hit every mode alike; batched: the whole batch is
-    one unit. Time of a mode = sum over units of the median over repeats. Stats (acceptance,
+    one unit. Time of a mode = sum over units of the median over repeats; its speedup is the
+    median over repeats of that repeat's time ratio to the baseline (paired). Stats (acceptance,
     tau, ...) are one repeat's, over all prompts (seeded: every repeat decodes the same tokens)."""
     from specrt.metrics import EngineMetrics
 
@@ -365,7 +366,11 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
     base = res.get(baseline)
     for m, v in res.items():
         if base:
-            v["speedup"] = v["tokens_per_s"] / base["tokens_per_s"]
+            # paired: each repeat's ratio (the modes of one repeat ran back to back, so slow
+            # drifts of a shared machine cancel), then the median over repeats
+            v["speedup"] = _median([b / x for b, x in zip(base["seconds_all"], v["seconds_all"]) if x > 0]
+                                   or [float("nan")]) * (v["tokens"] / base["tokens"] if base["tokens"] else 1.0)
+            v["speedup_of_medians"] = v["tokens_per_s"] / base["tokens_per_s"]
             v["identical_to_ar"] = v["token_ids"] == base["token_ids"]
     return res
 

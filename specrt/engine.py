@@ -194,7 +194,7 @@ class LLMEngine:
             if req is not None and not req.finished:
                 self._finish(req, "abort")
 
-    def calibrate(self, batch_sizes: Sequence[int] = (1, 4), rounds: int = 2, run: int = 4) -> None:
+    def calibrate(self, batch_sizes: Sequence[int] = (1, 4), rounds: int = 4, run: int = 4) -> None:
         """Seed the cost model (what the budget policy plans with) with measured steps of both
         kinds, so that serving starts with the costs known instead of learning them on the first
         requests: for each batch size, throwaway requests decode ``rounds`` x (``run`` plain steps,
@@ -620,7 +620,7 @@ class LLMEngine:
         # the one intentional device->host sync of the step
         host = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]], 1).cpu()
         verify_s = time.perf_counter() - t0 - (pre_s if dev.type == "cpu" else 0.0)
-        self._verify_shape = (sum(query_lens), sum(seq_lens), pre_s if dev.type == "cpu" else 0.0)
+        self._verify_shape = (sum(query_lens), sum(seq_lens), B, pre_s if dev.type == "cpu" else 0.0)
         for b, p in pre.items():
             p["guess"] = int(host[b, -1])
         return host[:, :-2].tolist(), host[:, -2].tolist(), verify_s, pre
@@ -629,12 +629,12 @@ class LLMEngine:
         """Feed the cost model: the drafting, and everything else the step cost (planning, the
         verify forward, sampling, bookkeeping) as the verify sample, marked by whether anything
         was drafted (a multi-token verify can cost a jump over a plain decode step)."""
-        tokens, context, pre_s = self._verify_shape
+        tokens, context, requests, pre_s = self._verify_shape
         draft_s = self._draft_cost_s(draft) if draft.forwards else draft.seconds
         if draft.forwards:
             self.costs.add_draft(draft.forwards, draft.tokens_fed, draft.attended, draft_s)
         self.costs.add_verify(tokens, context, max(step_s - draft_s - pre_s, 1e-9),
-                              drafted=sum(draft.num_draft_tokens) > 0)
+                              drafted=sum(draft.num_draft_tokens) > 0, requests=requests)
 
     @staticmethod
     def _draft_cost_s(draft: _Draft) -> float:
@@ -673,7 +673,8 @@ class LLMEngine:
             surplus = mgr.num_tokens(r.request_id) - max(r.target_cached, r.draft_cached)
             if surplus > 0:
                 self.kv.rollback(r.request_id, surplus)
-            self.policy.observe(r, n, a)
+            if self._forced_k is None:     # calibration requests are synthetic: no acceptance evidence
+                self.policy.observe(r, n, a)
             share = draft.seconds * (n / max(sum(draft.num_draft_tokens), 1)) + extra_draft_s
             r.stats.record(n, a, len(emitted), share, verify_s / len(batch), hidden_s)
             self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_s / len(batch), hidden_s)

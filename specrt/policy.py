@@ -139,6 +139,7 @@ class CostModel:
 
     - verify (the step's time besides drafting: planning, the target forward, sampling,
       bookkeeping): seconds ~ v0 + v1 * tokens + v2 * context tokens + v3 * [anything drafted]
+      + v4 * requests (per-request work: a CPU's attention gathers each request's blocks)
       (a multi-token verify may cost a jump over a plain decode step, e.g. another attention
       path, and on a CPU the draft's forwards evict the target's weights from the caches). Plain
       samples count only when the step before was plain too (steady autoregressive decoding);
@@ -152,7 +153,7 @@ class CostModel:
     """
 
     def __post_init__(self):
-        self.verify_samples: list[tuple[float, float, float, float]] = []  # (tokens, context, drafted, seconds)
+        self.verify_samples: list[tuple] = []    # (tokens, context, drafted, requests, seconds)
         self.steps_since_plain = 0   # steps since the last steady plain sample
         self.num_plain = 0           # steady plain samples so far
         self._prev_drafted = True
@@ -163,12 +164,12 @@ class CostModel:
         self._verify_coef = None
         self._draft_coef = None
 
-    def add_verify(self, tokens: int, context: int, seconds: float, drafted: bool = False) -> None:
+    def add_verify(self, tokens: int, context: int, seconds: float, drafted: bool = False, requests: int = 1) -> None:
         steady_plain = not drafted and not self._prev_drafted
         self._prev_drafted = drafted
         self.steps_since_plain = 0 if steady_plain else self.steps_since_plain + 1
         if drafted or steady_plain:
-            self.verify_samples.append((tokens, context, float(drafted), seconds))
+            self.verify_samples.append((tokens, context, float(drafted), requests, seconds))
             self.num_plain += steady_plain
             self._added[0] += 1
             del self.verify_samples[:-512]
@@ -192,8 +193,8 @@ class CostModel:
         if self._due(0):
             self._fitted_at[0] = self._added[0]
             v = np.array(self.verify_samples[-256:], dtype=float)
-            x = np.column_stack([np.ones(len(v)), v[:, :3]])
-            self._verify_coef = _nonneg_fit(x, v[:, 3], always=[0], optional=[1, 2, 3])
+            x = np.column_stack([np.ones(len(v)), v[:, :4]])
+            self._verify_coef = _nonneg_fit(x, v[:, 4], always=[0], optional=[1, 2, 3, 4])
             self.fit_version += 1
         if self._due(1):
             self._fitted_at[1] = self._added[1]
@@ -205,18 +206,18 @@ class CostModel:
     def has_draft_fit(self) -> bool:
         return self._draft_coef is not None
 
-    def verify_time(self, tokens: int, context: int, drafted: bool = False) -> float:
+    def verify_time(self, tokens: int, context: int, drafted: bool = False, requests: int = 1) -> float:
         c = self._verify_coef
         if c is None:
             return 1.0 + 0.01 * tokens   # unitless until measured: drafting looks worthwhile, so it gets measured
-        return max(float(c[0] + c[1] * tokens + c[2] * context + c[3] * drafted), 1e-9)
+        return max(float(c[0] + c[1] * tokens + c[2] * context + c[3] * drafted + c[4] * requests), 1e-9)
 
     def draft_coefs(self, batch: int, context: int) -> tuple[float, float, float]:
         """(seconds per draft forward, per token fed, per context token attended).
         Unmeasured: a forward costs a quarter of a verify, tokens nothing extra."""
         c = self._draft_coef
         if c is None:
-            return 0.25 * self.verify_time(batch, context), 0.0, 0.0
+            return 0.25 * self.verify_time(batch, context, requests=batch), 0.0, 0.0
         return float(c[0]), float(c[1]), float(c[2])
 
     def draft_time(self, depth: int, tokens_fed: int, attended: int) -> float:
@@ -246,13 +247,14 @@ class BudgetPolicy(DraftPolicy):
 
     A request kept at K=0 produces no acceptance evidence, so every ``explore_every`` idle steps
     it drafts one token, but only if an optimistic acceptance (its estimate + 0.25) would pay for
-    that token and its catch-up at the current throughput, and only with 2 x explore_every
-    tokens left to use what it finds: a drafter too slow to ever pay here never costs a catch-up.
+    that token and its catch-up (spread over the request's remaining steps) at the current
+    throughput: a drafter too slow to ever pay here never costs a catch-up.
     A request without history is expected to accept what all requests recently did."""
 
     name = "budget"
     explore_every = 16
     plain_every = 64
+    explore_max = 256   # steps without any draft after which one look is taken regardless of price
     plain_run = 3
     replan_every = 64   # while off, a full plan at least this often (contexts grow)
     min_gain = 0.05     # draft only for a predicted gain above the costs' estimation error
@@ -269,7 +271,8 @@ class BudgetPolicy(DraftPolicy):
         self._pooled = deque(maxlen=512)   # recent acceptance outcomes of every request
         # per kind (plain, drafted): decayed sums of realized tokens, seconds, predicted tokens,
         # seconds, and the steps' weight (see step_done)
-        self._track = [[0.0] * 5, [0.0] * 5]
+        self._track: dict[int, list] = {}   # batch-size bucket -> [plain sums, drafted sums]
+        self._since_drafted = 0             # steps since anything was drafted (see _explore)
         self._fill = 1.0                   # pooled fraction of asked draft tokens proposed
         self._tracked = None               # (kind, predicted tokens, predicted seconds) of this step
 
@@ -321,7 +324,7 @@ class BudgetPolicy(DraftPolicy):
             off["age"] += 1
             out = [0] * n
             self._explore(requests, out, caps, lag, off["lam"], off["prices"], costs.has_draft_fit)
-            self._tracked = None if any(out) or off["prefill"] else (0, n, n / max(off["lam"], 1e-12))
+            self._tracked = None if any(out) or off["prefill"] else (0, n, n / max(off["lam"], 1e-12), n)
             return out
         self._off = None
 
@@ -333,9 +336,9 @@ class BudgetPolicy(DraftPolicy):
         ctxs = np.array([r.context_len for r in requests], dtype=float)
         left = np.array([max(r.params.max_tokens - r.num_generated, 1) for r in requests], dtype=float)
         ctx = float(ctxs.sum())
-        t_ar = costs.verify_time(n, ctx, drafted=False)
-        t_drafted = costs.verify_time(n, ctx, drafted=True)
-        per_verify = max(costs.verify_time(n + 1, ctx, drafted=True) - t_drafted, 0.0)
+        t_ar = costs.verify_time(n, ctx, drafted=False, requests=n)
+        t_drafted = costs.verify_time(n, ctx, drafted=True, requests=n)
+        per_verify = max(costs.verify_time(n + 1, ctx, drafted=True, requests=n) - t_drafted, 0.0)
         d_fwd, d_tok, d_ctx = costs.draft_coefs(n, ctx)
         d_fwd1 = max(t_drafted - t_ar, 0.0)    # a step that drafts at all pays this once
 
@@ -372,7 +375,7 @@ class BudgetPolicy(DraftPolicy):
         # what past steps delivered against what was predicted for them (log ratio, per kind)
         # corrects what the fit misses, e.g. acceptance that is not independent per position
         drafted_pred = best
-        if best * self.correction(1) < plain * self.correction(0) * (1.0 + self.min_gain):
+        if best * self.correction(1, n) < plain * self.correction(0, n) * (1.0 + self.min_gain):
             best, best_ks = plain, floor      # not worth the estimation error: stay plain
         self.last_prediction = (drafted_pred, plain)
         out = [int(k) for k in best_ks]
@@ -382,7 +385,7 @@ class BudgetPolicy(DraftPolicy):
         # a step that (re)computes a context (prefill, after preemption) is not what was priced
         prefill = any(r.context_len - r.target_cached > 1 for r in requests)
         measured = costs._verify_coef is not None     # else the prediction is in made-up units
-        self._tracked = (int(drafts), *tokens_time(best_ks)) if measured and not prefill else None
+        self._tracked = (int(drafts), *tokens_time(best_ks), n) if measured and not prefill else None
         prices = (per_verify, d_fwd + d_fwd1, d_tok, d_ctx)
         if not drafts:
             self._off = {"key": key, "age": 1, "lam": best, "prices": prices, "prefill": prefill or not measured}
@@ -400,16 +403,25 @@ class BudgetPolicy(DraftPolicy):
         tracked, self._tracked = self._tracked, None
         if tracked is None or seconds <= 0:
             return
-        kind, tokens, secs = tracked
-        t = self._track[kind]
+        kind, tokens, secs, n = tracked
+        both = self._track.setdefault(self._bucket(n), [[0.0] * 5, [0.0] * 5])
+        t = both[kind]
         for i, x in enumerate((emitted, seconds, tokens, secs, 1.0)):
             t[i] = self.track_decay * t[i] + x
-        self._track[1 - kind] = [x * self.track_forget for x in self._track[1 - kind]]
+        both[1 - kind] = [x * self.track_forget for x in both[1 - kind]]
 
-    def correction(self, kind: int) -> float:
-        """Realized / predicted throughput of past planned steps of this kind, shrunk towards 1
-        by the weight of the evidence (1 with none)."""
-        r_tok, r_sec, p_tok, p_sec, w = self._track[kind]
+    @staticmethod
+    def _bucket(n: int) -> int:
+        return min(int(n).bit_length(), 6)      # batch 1, 2-3, 4-7, 8-15, 16-31, 32+
+
+    def correction(self, kind: int, n: int = 1) -> float:
+        """Realized / predicted throughput of past planned steps of this kind at batch sizes like
+        n (what the linear costs miss differs with batch size), shrunk towards 1 by the weight of
+        the evidence (1 with none)."""
+        both = self._track.get(self._bucket(n))
+        if both is None:
+            return 1.0
+        r_tok, r_sec, p_tok, p_sec, w = both[kind]
         if w <= 0 or r_sec <= 0 or p_tok <= 0:
             return 1.0
         ratio = min(max((r_tok / r_sec) / (p_tok / p_sec), 0.25), 4.0)
@@ -440,11 +452,16 @@ class BudgetPolicy(DraftPolicy):
         per_verify, d_fwd, d_tok, d_ctx = prices
         someone_drafts = any(ks)
         prior = None
+        n = len(requests)
+        self._since_drafted = 0 if someone_drafts else self._since_drafted + 1
+        # the price check can be wrong (costs fitted on noise): with nothing drafted for
+        # explore_max steps, a request whose draft needs no catch-up looks anyway
+        overdue = self._since_drafted >= self.explore_max
         for b, r in enumerate(requests):
             idle = r.policy_state.get("steps_without_draft", 0)
             left = max(r.params.max_tokens - r.num_generated, 1)
-            # worth a look only with enough tokens left to use what it finds
-            if ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every and left >= 2 * self.explore_every:
+            # (what a look finds serves later requests too: the pooled rate, fill and corrections)
+            if ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every:
                 # would one token pay at the current throughput if this request's drafts were
                 # accepted more often than measured? (always, while draft costs are unmeasured)
                 prior = self._prior() if prior is None else prior
@@ -452,8 +469,11 @@ class BudgetPolicy(DraftPolicy):
                 steps_left = max(left / (1.0 + r_opt), 1.0)
                 price = (per_verify + d_tok + d_ctx * r.context_len + d_tok * lag[b] / steps_left
                          + (0.0 if someone_drafts else d_fwd))
-                if not fitted or r_opt * self.correction(1) >= lam * price * self.correction(0):
+                if (not fitted or r_opt * self.correction(1, n) >= lam * price * self.correction(0, n)
+                        or (overdue and lag[b] == 0)):
                     ks[b] = 1
+                    overdue = False
+                    self._since_drafted = 0
                 idle = -1          # explored, or not worth it: look again in explore_every steps
             r.policy_state["steps_without_draft"] = 0 if ks[b] > 0 else idle + 1
 

@@ -24,18 +24,20 @@ def make_requests(n: int, rate: float = 0.9, prompt: int = 100, max_tokens: int 
 
 def costs(verify=(3e-3, 5e-5, 0.0, 0.0), draft=(3e-4, 0.0, 0.0), plain_samples: int = 8) -> CostModel:
     """A CostModel fitted to exact samples of the given coefficients.
-    verify: (intercept, per token, per context token, drafted jump); draft: (per forward, per token fed,
-    per context token attended)."""
+    verify: (intercept, per token, per context token, drafted jump[, per request]); draft: (per forward,
+    per token fed, per context token attended)."""
     c = CostModel()
-    v0, v1, v2, v3 = verify
+    v0, v1, v2, v3, v4 = (tuple(verify) + (0.0,))[:5]
     rng = np.random.default_rng(0)
     for i in range(64):
         drafted = i >= plain_samples
-        tokens = int(rng.integers(1, 40)) if drafted else int(rng.integers(1, 8))
+        requests = int(rng.integers(1, 9))
+        tokens = requests + (int(rng.integers(1, 5 * requests)) if drafted else 0)
         ctx = int(rng.integers(100, 4000))
         if not drafted and i > 0:
             c._prev_drafted = False    # a run of plain steps: every one steady
-        c.add_verify(tokens, ctx, v0 + v1 * tokens + v2 * ctx + v3 * drafted, drafted=drafted)
+        c.add_verify(tokens, ctx, v0 + v1 * tokens + v2 * ctx + v3 * drafted + v4 * requests, drafted=drafted,
+                     requests=requests)
         depth, fed, att = int(rng.integers(1, 6)), int(rng.integers(1, 200)), int(rng.integers(100, 9000))
         c.add_draft(depth, fed, att, draft[0] * depth + draft[1] * fed + draft[2] * att)
     c.refit()
@@ -47,10 +49,10 @@ def policy(**kw) -> BudgetPolicy:
 
 
 def test_cost_model_recovers_the_coefficients():
-    c = costs(verify=(3e-3, 5e-5, 1e-6, 1e-3), draft=(1e-3, 3e-5, 2e-7))
-    assert np.allclose(c._verify_coef, [3e-3, 5e-5, 1e-6, 1e-3], rtol=1e-6, atol=1e-12)
+    c = costs(verify=(3e-3, 5e-5, 1e-6, 1e-3, 2e-4), draft=(1e-3, 3e-5, 2e-7))
+    assert np.allclose(c._verify_coef, [3e-3, 5e-5, 1e-6, 1e-3, 2e-4], rtol=1e-6, atol=1e-12)
     assert np.allclose(c._draft_coef, [1e-3, 3e-5, 2e-7], rtol=1e-6, atol=1e-12)
-    assert c.verify_time(10, 1000, drafted=True) == pytest.approx(3e-3 + 5e-4 + 1e-3 + 1e-3)
+    assert c.verify_time(10, 1000, drafted=True, requests=2) == pytest.approx(3e-3 + 5e-4 + 1e-3 + 1e-3 + 4e-4)
     assert c.draft_time(2, 50, 400) == pytest.approx(2e-3 + 1.5e-3 + 8e-5)
 
 
@@ -107,7 +109,8 @@ def test_catch_up_is_priced_against_the_tokens_left():
 
 def test_exploration_only_when_optimism_could_pay():
     """A request kept at K=0 drafts one token every explore_every steps if a better acceptance
-    than measured would pay; a drafter that cannot pay even at acceptance 0.97 is never run."""
+    than measured would pay; a drafter that cannot pay even at acceptance 0.97 is never run when
+    it would cost a catch-up, and looked at once per explore_max steps when it would not."""
     pol = policy()
     reqs = make_requests(1, rate=0.5)
     c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(2.0e-3, 0, 0))  # pays above ~0.66 acceptance, not at 0.5
@@ -115,9 +118,13 @@ def test_exploration_only_when_optimism_could_pay():
     explored = [i for i, k in enumerate(ks) if k]
     assert explored and all(ks[i] == 1 for i in explored)
     assert len(explored) == 3
-    hopeless = costs(verify=(3e-3, 5e-5, 0, 0), draft=(6e-3, 0, 0))
+    hopeless = costs(verify=(3e-3, 5e-5, 0, 0), draft=(6e-3, 4e-5, 0))
     pol, reqs = policy(), make_requests(1, rate=0.3)
-    assert not any(pol.plan(reqs, [4], hopeless)[0] for _ in range(5 * pol.explore_every))
+    assert not any(pol.plan(reqs, [4], hopeless, catchup=[100])[0] for _ in range(600))
+    # without catch-up to pay, one look every explore_max steps even so (the prices may be wrong)
+    pol, reqs = policy(), make_requests(1, rate=0.3)
+    looks = sum(pol.plan(reqs, [4], hopeless, catchup=[0])[0] for _ in range(600))
+    assert looks == 600 // (pol.explore_max + 1)
 
 
 def test_plain_runs_keep_plain_steps_measured():
@@ -129,7 +136,7 @@ def test_plain_runs_keep_plain_steps_measured():
     for i in range(40):
         ks = pol.plan(reqs, [4, 4], c)
         plain.append(not any(ks))
-        c.add_verify(2 + sum(ks), 300, 3e-3, drafted=any(ks))
+        c.add_verify(2 + sum(ks), 300, 3e-3, drafted=any(ks), requests=2)
     first = plain.index(True)
     assert first <= 8 and plain[first:first + pol.plain_run] == [True] * pol.plain_run
     assert c.num_plain >= 1 and sum(plain) < 15
@@ -167,11 +174,12 @@ def test_realized_throughput_overrules_an_optimistic_model():
         if pol._tracked is None:                  # an exploration step (K=1, not the plan's choice)
             explored += 1
             continue
-        kind, tokens, secs = pol._tracked
+        kind, tokens, secs, _ = pol._tracked
         pol.step_done(emitted=tokens * (0.4 if kind else 1.0), seconds=secs)
         planned.append(any(ks))
     assert planned[0] and not any(planned[-40:]) and explored <= 128 // pol.explore_every
-    assert pol.correction(1) < 0.8 and pol.correction(0) == pytest.approx(1.0)
+    assert pol.correction(1, 2) < 0.8 and pol.correction(0, 2) == pytest.approx(1.0)
+    assert pol.correction(1, 32) == 1.0          # another batch-size bucket: no evidence there
     # the pessimism decays while only plain steps are seen
     for _ in range(1500):
         pol.plan(reqs, [4, 4], c)
