@@ -229,27 +229,29 @@ class BudgetPolicy(DraftPolicy):
     """Across the batch, hand out draft tokens where the expected gain per unit of measured
     cost is highest: maximise expected emitted tokens / predicted step time.
 
-    Draft token i of request b is worth r_b^i expected tokens (r_b: its recent acceptance rate)
-    and costs one more verified token, one more draft token fed, and its attention over the
-    context. A request that drafts at all also pays its draft's catch-up (the context its draft
-    KV lags behind, e.g. the whole prompt the first time), spread over the steps it has left
-    (max_tokens - generated over the tokens a step emits); the step pays one draft forward per
-    depth, plus once whatever a drafted step costs over a plain one (measured: a multi-token
-    verify may take another path; now and then a plain step keeps that measured). For each
-    depth the best allocation at throughput lambda maximises
-    gain - lambda * cost per request; a few fixed-point rounds (Dinkelbach) find lambda, and the
-    best depth wins if it beats plain decoding by ``min_gain`` (5%: the fitted costs are noisy,
-    and a thin predicted gain is as likely a loss). Both predictions are corrected by what past
-    steps of their kind delivered against their prediction (``step_done``): a model that is
-    optimistic about drafting (acceptance that is not independent per position, costs it does
-    not see) is overruled by the measured outcome. K=0 for everyone (speculation off) when drafting does not pay, e.g. large
-    batches where a verify is no longer almost free, or short requests with long prompts.
+    Prices (from the CostModel, fitted on this engine's own steps): draft token i of request b
+    is worth fill_b * r_b^i expected tokens (r_b: its recent acceptance, shrunk towards the
+    pooled rate of all requests; fill_b: the fraction of asked tokens its drafter proposes) and
+    costs one more verified token, one more draft token fed and its attention over the context.
+    A request that drafts at all also pays its draft's catch-up (the context its draft KV lags
+    behind, e.g. the whole prompt the first time), spread over the steps it has left. The step
+    pays one draft forward per depth, plus once whatever a drafted step costs over a plain one.
 
-    A request kept at K=0 produces no acceptance evidence, so every ``explore_every`` idle steps
-    it drafts one token, but only if an optimistic acceptance (its estimate + 0.25) would pay for
-    that token and its catch-up (spread over the request's remaining steps) at the current
-    throughput: a drafter too slow to ever pay here never costs a catch-up.
-    A request without history is expected to accept what all requests recently did."""
+    Plan: for each depth the best allocation at throughput lambda maximises gain - lambda * cost
+    per request; a few fixed-point rounds (Dinkelbach) find lambda; the best depth wins if it
+    beats plain decoding by ``min_gain`` (the fitted costs are noisy: a thin predicted gain is as
+    likely a loss). Both predictions are corrected by what past planned steps of their kind
+    delivered against their prediction at similar batch sizes (``step_done``), so a model that is
+    optimistic about drafting is overruled by the measured outcome. K=0 for everyone (speculation
+    off) when drafting does not pay: large batches where a verify is no longer almost free, a
+    draft that costs too much of a target step, short requests with long prompts. While off,
+    planning is a lookup.
+
+    Measuring: now and then a short run of plain steps keeps the plain cost measured while
+    everything drafts. A request kept at K=0 produces no acceptance evidence, so every
+    ``explore_every`` idle steps it drafts one token if an optimistic acceptance (+0.25) would pay
+    for that token and its catch-up: a drafter too slow to ever pay never costs a catch-up; one
+    that needs no catch-up is looked at once per ``explore_max`` steps regardless."""
 
     name = "budget"
     explore_every = 16
@@ -257,7 +259,7 @@ class BudgetPolicy(DraftPolicy):
     explore_max = 256   # steps without any draft after which one look is taken regardless of price
     plain_run = 3
     replan_every = 64   # while off, a full plan at least this often (contexts grow)
-    min_gain = 0.05     # draft only for a predicted gain above the costs' estimation error
+    min_gain = 0.10     # draft only for a predicted gain above the costs' estimation error
     track_decay = 0.95  # realized / predicted: weight of a step falls by this per later step of its kind
     track_prior = 20.0  # steps' worth of 'as predicted' the measured ratio is shrunk towards
     prior_weight = 8.0  # outcomes' worth of the pooled rate in a request's own acceptance estimate
