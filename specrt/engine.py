@@ -145,6 +145,7 @@ class LLMEngine:
         self._lock = threading.RLock()
         self._finished_pending: list[Request] = []
         self._forced_k: int | None = None     # calibrate(): every request drafts this many
+        self._ngram_props: dict = {}          # request id -> this step's n-gram proposal (see _plan)
 
     # ------------------------------------------------------------------ requests
     def _load_model(self, path: Path, dtype):
@@ -286,6 +287,11 @@ class LLMEngine:
         caps = [self._k_cap(r) for r in batch]
         if not self.speculative:
             return caps
+        if self.draft_kind == "ngram":
+            # n-gram proposals cost microseconds: compute them now, so every policy knows which
+            # requests have one and how long (the drafts below are their prefixes)
+            self._ngram_props = {r.request_id: self.ngram.propose(r.token_ids, c) for r, c in zip(batch, caps)}
+            caps = [len(self._ngram_props[r.request_id]) for r in batch]
         if self._forced_k is not None:
             return [min(self._forced_k, c) for c in caps]
         # the draft model's KV lags by what it has not consumed yet (its prompt, the first time)
@@ -353,8 +359,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         if self.draft_kind == "ngram":
             n = []
+            planned = self._ngram_props
             for b, r in enumerate(batch):
-                prop = self.ngram.propose(r.token_ids, ks[b])
+                prop = planned.get(r.request_id)
+                prop = self.ngram.propose(r.token_ids, ks[b]) if prop is None else prop[:ks[b]]
                 ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
                 n.append(len(prop))
             return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0,

@@ -144,6 +144,30 @@ def test_calibrate_seeds_both_step_kinds_and_leaves_no_trace(pair, ar_greedy):
         eng.calibrate()
 
 
+def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
+    """With the n-gram drafter the policy plans with each request's actual proposal length as
+    its cap (0 without a match), and drafts are prefixes of those proposals: same tokens as AR."""
+    from specrt.drafters import NgramProposer
+
+    tdir, _ = pair
+    llm_ = specrt.LLM(target=str(tdir), draft="ngram", spec=SpecConfig(policy="budget", max_draft_length=4), seed=0)
+    eng = llm_.engine
+    seen = []
+    plan = eng.policy.plan
+
+    def spy(reqs, caps, costs=None, catchup=None):
+        seen.append([(list(r.token_ids), c, r.params.max_tokens - r.num_generated - 1) for r, c in zip(reqs, caps)])
+        return plan(reqs, caps, costs, catchup)
+    eng.policy.plan = spy
+    assert tokens(llm_.generate(PROMPTS[:4], GREEDY)) == ar_greedy[:4]
+    prop = NgramProposer()
+    caps = [c for step in seen for _, c, _ in step]
+    assert 0 in caps and max(caps) > 0
+    for step in seen:
+        for ids, c, remaining in step:
+            assert c == len(prop.propose(ids, max(0, min(4, remaining))))
+
+
 def test_speculation_actually_accepts(pair):
     """The layer-init draft must agree with the target often enough that steps emit >1 token,
     otherwise the identity tests above would pass vacuously."""
