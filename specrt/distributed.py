@@ -132,6 +132,10 @@ def prefill_logits(model, token_ids: list[int], block_size: int = 16) -> torch.T
     return logits.cpu()
 
 
+def _calibrate(engine: _ShardedEngine, args: tuple, kwargs: dict) -> None:
+    engine.calibrate(*args, **kwargs)
+
+
 def _probe_forward(engine: _ShardedEngine, token_ids: list[int], model_path=None) -> torch.Tensor:
     """Full logits of a prefill through the sharded target (or through ``model_path`` loaded and
     sharded the same way on every rank: a test of the sharding itself)."""
@@ -383,6 +387,11 @@ class TPEngine:
             except BaseException as e:
                 self._fail(e)
                 raise
+
+    def calibrate(self, *args, **kwargs) -> None:
+        """LLMEngine.calibrate on every rank in lockstep (its steps run the sharded forwards'
+        collectives; rank 0 alone would hang)."""
+        self.run_on_all_ranks(_calibrate, args, kwargs)
 
     def forward_logits(self, token_ids: list[int], model_path=None) -> torch.Tensor:
         """Full-vocabulary logits [T, V] of one prefill of ``token_ids`` through the sharded target

@@ -213,7 +213,8 @@ class LLMEngine:
             try:
                 for B in batch_sizes:
                     B = max(1, min(int(B), self.spec.max_batch_size))
-                    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                    # an explicit seed: calibration draws nothing from the engine's seed stream
+                    params = SamplingParams(temperature=0.0, ignore_eos=True, seed=0,
                                             max_tokens=max(1, min(steps * (K + 1) + 1, self.max_model_len - plen - 1)))
                     ids = [self.add_request([3 + (b * 131 + j * 17) % max(V - 3, 1) for j in range(plen)], params,
                                             tag="calibration") for b in range(B)]

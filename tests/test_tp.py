@@ -81,6 +81,9 @@ def test_tp2_tokens_identical_to_tp1(pair, draft_kind, acceptance, policy):
     assert isinstance(engine, TPEngine)
     try:
         assert engine.kv["target"].shape[4] == 1   # 2 kv heads / 2 ranks: a per-rank cache
+        if policy == "budget":
+            engine.calibrate(batch_sizes=(1, 2), rounds=1)   # every rank in lockstep (collectives)
+            assert engine.costs.num_plain > 0 and not engine.has_unfinished()
         got = _run(engine)
         assert got == want
         assert want["r2"][1] == "abort" and want["late"][1] in ("stop", "length")
