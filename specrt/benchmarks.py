@@ -1400,7 +1400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default="builtin", help="draft folder or 'builtin'; n-gram and self:N always run too")
     p.add_argument("--device", default=None)
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="repeats per comparison (default 5, --quick 3; the batch section 9 unless given)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -1408,6 +1409,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings.quick() if a.quick else Settings()
     if a.repeats:
         s.repeats = a.repeats
+        s.batch_repeats = a.repeats     # an explicit count holds for the batch section too
     if a.prompts:
         s.prompts_per_category = a.prompts
     if a.max_tokens:
