@@ -141,6 +141,10 @@ class LLMEngine:
         if self.spec.policy == "head":
             self.accept_head = self._load_accept_head(draft)
         self._draft_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # CUDA: one pair of timing events around each step's drafting, made once (read after the
+        # step's one sync, re-recorded by the next step)
+        self._draft_events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                              if self._draft_stream is not None else None)
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._finished_pending: list[Request] = []
@@ -369,9 +373,8 @@ class LLMEngine:
             return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0,
                           forwards=kmax, tokens_fed=sum(n))
         with self._on_draft_stream():
-            events = None
-            if self._draft_stream is not None:
-                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events = self._draft_events
+            if events is not None:
                 events[0].record()
             draft = self._draft_with_model(batch, ks, kmax)
             if events is not None:
