@@ -397,15 +397,17 @@ class LLMEngine:
         return self.draft_model, self.kv["draft"], None
 
     def _draft_forward(self, reqs: list[Request], input_ids: torch.Tensor, seq_lens: list[int],
-                       query_lens: list[int], out_index: list[int]):
+                       query_lens: list[int], out_index: list[int], host_ids: list[int] | None = None):
         """One batched draft forward; returns (q [rows, V] float32, hidden or None) for each row's
-        last position. Draft and target rows of a request get the same sampling transform."""
+        last position. Draft and target rows of a request get the same sampling transform.
+        ``host_ids``: the rows' tokens when they may recompute blocks shared between requests
+        (catch-up over a target-only prefix): each shared slot is then written once."""
         dev = self.device
         model, cache, num_layers = self._draft_model_parts()
         positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
                                  dtype=torch.int64).to(dev, non_blocking=True)
         meta = AttentionMetadata.build(seq_lens, query_lens, [self.kv.block_table(r.request_id) for r in reqs],
-                                       self.spec.block_size, dev)
+                                       self.spec.block_size, dev, token_ids=host_ids)
         last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
         logits, hidden = model(input_ids, positions, meta, cache, num_layers=num_layers, logits_indices=last,
                                return_hidden=self.policy.needs_hidden)
@@ -457,9 +459,11 @@ class LLMEngine:
             if not rows:
                 break
             reqs = [batch[b] for b in rows]
+            host_ids = None
             if j == 0:
                 chunks = [batch[b].token_ids[cached[b]:] for b in rows]
-                input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64).to(dev, non_blocking=True)
+                host_ids = [t for c in chunks for t in c]
+                input_ids = torch.tensor(host_ids, dtype=torch.int64).to(dev, non_blocking=True)
                 seq_lens = [r.context_len for r in reqs]
                 query_lens = [len(c) for c in chunks]
             else:
@@ -468,7 +472,7 @@ class LLMEngine:
                 seq_lens = [r.context_len + j for r in reqs]
                 query_lens = [1] * len(rows)
             q, hidden = self._draft_forward(reqs, input_ids, seq_lens, query_lens,
-                                            [r.num_generated + j for r in reqs])           # [rows, V]
+                                            [r.num_generated + j for r in reqs], host_ids)  # [rows, V]
             forwards += 1
             tokens_fed += sum(query_lens)
             attended += sum(seq_lens)

@@ -77,6 +77,22 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
 
 
 # ----------------------------------------------------------------------------- attention metadata
+def _dedupe_shared_slots(slots: list[int], token_ids: list[int]) -> None:
+    """In place: later rows that write an already-written slot with the same token get -1."""
+    if len(token_ids) != len(slots):
+        raise ValueError(f"token_ids has {len(token_ids)} entries, the batch has {len(slots)} new tokens")
+    if len(set(slots)) == len(slots):
+        return
+    first: dict[int, int] = {}
+    for i, s in enumerate(slots):
+        j = first.setdefault(s, i)
+        if j != i:
+            if int(token_ids[j]) != int(token_ids[i]):
+                raise ValueError(f"slot {s} is shared by rows {j} and {i} with different tokens "
+                                 f"({token_ids[j]} != {token_ids[i]}): a shared block must not be rewritten")
+            slots[i] = -1
+
+
 @dataclass
 class AttentionMetadata:
     """One forward call over a mixed batch of B requests, T new tokens in all.
@@ -106,12 +122,20 @@ class AttentionMetadata:
 
     @staticmethod
     def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device=None, max_model_len: int | None = None) -> "AttentionMetadata":
+              device=None, max_model_len: int | None = None,
+              token_ids: list[int] | None = None) -> "AttentionMetadata":
         """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
 
         ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
         Raises ValueError on inconsistent lengths, too-short block tables, or a request longer
         than ``max_model_len`` (when given).
+
+        ``token_ids`` (the host token of every row; pass it when rows may recompute a shared
+        block, e.g. several requests catching up a lagging cache over the same target-only
+        prefix): a slot that several rows map to is written by the first only (-1 for the
+        others: the same token at the same position of the same prefix has the same KV); rows
+        that share a slot with different tokens raise ValueError. Without it every slot must
+        be distinct (write_kv refuses duplicates).
         """
         B = len(seq_lens)
         if len(query_lens) != B or len(block_tables) != B:
@@ -135,6 +159,8 @@ class AttentionMetadata:
                 slots.append(bt[p // block_size] * block_size + p % block_size)
             req_ids.extend([b] * q)
             q_idx.extend(range(q))
+        if token_ids is not None:
+            _dedupe_shared_slots(slots, token_ids)
         max_blocks = max(len(bt) for bt in block_tables)
         bt_pad = [list(bt) + [-1] * (max_blocks - len(bt)) for bt in block_tables]
         qsl = [0]
