@@ -295,7 +295,8 @@ class LLMEngine:
         if self.draft_kind == "ngram":
             # n-gram proposals cost microseconds: compute them now, so every policy knows which
             # requests have one and how long (the drafts below are their prefixes)
-            self._ngram_props = {r.request_id: self.ngram.propose(r.token_ids, c) for r, c in zip(batch, caps)}
+            self._ngram_props = {r.request_id: self.ngram.propose(r.token_ids, c, r.drafter_state)
+                                for r, c in zip(batch, caps)}
             caps = [len(self._ngram_props[r.request_id]) for r in batch]
         if self._forced_k is not None:
             return [min(self._forced_k, c) for c in caps]
@@ -367,7 +368,7 @@ class LLMEngine:
             planned = self._ngram_props
             for b, r in enumerate(batch):
                 prop = planned.get(r.request_id)
-                prop = self.ngram.propose(r.token_ids, ks[b]) if prop is None else prop[:ks[b]]
+                prop = self.ngram.propose(r.token_ids, ks[b], r.drafter_state) if prop is None else prop[:ks[b]]
                 ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
                 n.append(len(prop))
             return _Draft(ids.to(self.device), n, None, [r.draft_cached for r in batch], time.perf_counter() - t0,

@@ -316,18 +316,15 @@ class BudgetPolicy(DraftPolicy):
                 self._count_idle(requests)
                 self._tracked = None
                 return [0] * n
-        # Speculation off stays off while nothing it depended on moved: the same batch, no refit,
-        # under replan_every steps (no drafting means no new acceptance evidence; caps only
-        # shrink; the draft lags and the steps left shrink, both of which only make drafting
-        # dearer). Planning is then a lookup, so an off policy costs next to nothing per step.
-        key = (tuple(id(r) for r in requests), tuple(c > 0 for c in caps), costs.fit_version)
+        # Speculation off stays off while the verdict provably holds: planning is then a few
+        # scalar sums, so an off policy costs next to nothing per step even while requests come
+        # and go (see _still_off); a full plan after a refit or every replan_every steps.
         off = self._off
-        if off is not None and off["key"] == key and off["age"] < self.replan_every:
-            off["age"] += 1
-            out = [0] * n
-            self._explore(requests, out, caps, lag, off["lam"], off["prices"], costs.has_draft_fit)
-            self._tracked = None if any(out) or off["prefill"] else (0, n, n / max(off["lam"], 1e-12), n)
-            return out
+        if (off is not None and off["costs"] is costs and off["fit"] == costs.fit_version
+                and off["age"] < self.replan_every):
+            out = self._still_off(requests, caps, lag, costs, off)
+            if out is not None:
+                return out
         self._off = None
 
         caps_a = np.array(caps)
@@ -377,7 +374,7 @@ class BudgetPolicy(DraftPolicy):
         # what past steps delivered against what was predicted for them (log ratio, per kind)
         # corrects what the fit misses, e.g. acceptance that is not independent per position
         drafted_pred = best
-        if best * self.correction(1, n) < plain * self.correction(0, n) * (1.0 + self.min_gain):
+        if best < self._threshold(plain, n):
             best, best_ks = plain, floor      # not worth the estimation error: stay plain
         self.last_prediction = (drafted_pred, plain)
         out = [int(k) for k in best_ks]
@@ -389,12 +386,94 @@ class BudgetPolicy(DraftPolicy):
         measured = costs._verify_coef is not None     # else the prediction is in made-up units
         self._tracked = (int(drafts), *tokens_time(best_ks), n) if measured and not prefill else None
         prices = (per_verify, d_fwd + d_fwd1, d_tok, d_ctx)
-        if not drafts:
-            self._off = {"key": key, "age": 1, "lam": best, "prices": prices, "prefill": prefill or not measured}
+        if not drafts and self.spec.min_draft_length == 0:
+            # the verdict, per request: its best surplus over the threshold throughput at each
+            # depth (sum_k gain - lam * cost, the step's fixed drafting costs aside) and the cost
+            # of that depth; the step drafts only if the surplus of all requests beats those fixed
+            # costs (see _still_off)
+            lam = self._threshold(plain, n)
+            net = np.where(ks[None, :] <= caps_a[:, None], gains - lam * cost, -np.inf)
+            surplus = np.maximum.accumulate(np.maximum(net, 0.0), axis=1)
+            reach = np.maximum.accumulate(np.where(ks[None, :] <= caps_a[:, None], cost, 0.0), axis=1)
+            self._off = {"costs": costs, "fit": costs.fit_version, "age": 1, "lam": best, "prices": prices,
+                         "coefs": (per_verify, d_fwd, d_fwd1, d_tok, d_ctx), "depths": kmax + 1,
+                         "rows": {(r.request_id, id(r)): (caps[b], lam, surplus[b].tolist(), reach[b].tolist())
+                                  for b, r in enumerate(requests)}}
         self._explore(requests, out, caps, lag, best, prices, costs.has_draft_fit)
         if any(out) != drafts:
             self._tracked = None              # an exploration step: not what was predicted
         return out
+
+    def _threshold(self, plain: float, n: int) -> float:
+        """The predicted throughput a drafted plan must beat: plain decoding's, corrected by what
+        past steps of each kind delivered, plus the min_gain margin."""
+        return plain * self.correction(0, n) * (1.0 + self.min_gain) / self.correction(1, n)
+
+    def _still_off(self, requests, caps, lag, costs, off):
+        """K=0 for everyone without a full plan, if the last off verdict provably still holds for
+        this batch; None if a full plan is needed.
+
+        A plan at depth d drafts only if sum_b surplus_b(d) > lam * (t_plain + fixed(d)) - n, with
+        lam the threshold throughput, surplus_b(d) = max over k <= min(d, cap_b) of (gain_b,k -
+        lam * cost_b,k)+ and fixed(d) the step's drafting costs (d draft forwards, the drafted-step
+        jump). A request seen before keeps its recorded surplus, raised by (lam_then - lam) times
+        its cost where lam fell since (contexts grow, requests leave): an upper bound, since its
+        gains cannot have grown while it did not draft (no acceptance evidence; its lag, context
+        and cost only grew; fewer steps left to amortise a catch-up). Only a newcomer, or a
+        request whose cap grew (an n-gram match appeared), is priced afresh, by the same formulas
+        as the full plan (``_tables``). Requests that left take their surplus with them."""
+        n = len(requests)
+        D = off["depths"]
+        if max(caps) >= D:
+            return None
+        per_verify, d_fwd, d_fwd1, d_tok, d_ctx = off["coefs"]
+        ctx = float(sum(r.context_len for r in requests))
+        t_ar = costs.verify_time(n, ctx, drafted=False, requests=n)
+        plain = n / t_ar
+        lam = self._threshold(plain, n)
+        total = [0.0] * D
+        rows, old = {}, off["rows"]
+        prior = None
+        for b, r in enumerate(requests):
+            key = (r.request_id, id(r))
+            row = old.get(key)
+            if row is None or caps[b] > row[0]:
+                if caps[b] == 0:
+                    row = (0, lam, [0.0] * D, [0.0] * D)
+                else:
+                    prior = self._prior() if prior is None else prior
+                    row = self._row(r, caps[b], lag[b], lam, D, prior, per_verify + d_tok + d_ctx * r.context_len,
+                                    d_tok)
+            rows[key] = row
+            _, lam_row, surplus, reach = row
+            drop = max(lam_row - lam, 0.0)
+            for d in range(D):
+                total[d] += surplus[d] + drop * reach[d]
+        for d in range(1, D):
+            if total[d] > lam * (t_ar + d_fwd * d + d_fwd1) - n:
+                return None
+        off["rows"] = rows
+        off["age"] += 1
+        out = [0] * n
+        self._explore(requests, out, caps, lag, plain, off["prices"], costs.has_draft_fit)
+        prefill = any(r.context_len - r.target_cached > 1 for r in requests)
+        measured = costs._verify_coef is not None
+        self._tracked = None if any(out) or prefill or not measured else (0, n, t_ar, n)
+        return out
+
+    def _row(self, r, cap: int, lag: int, lam: float, depths: int, prior: float, per_token: float, d_tok: float):
+        """One request's (cap, lam, surplus[d], cost[d]) for d < depths, as the full plan's tables."""
+        import numpy as np
+
+        rate = np.array([recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight)])
+        fill = np.array([r.policy_state.get("fill", self._fill)])
+        left = np.array([max(r.params.max_tokens - r.num_generated, 1)], dtype=float)
+        ks = np.arange(depths)
+        gains, cost = self._tables(rate, ks, np.array([per_token]), np.array([d_tok * lag], float), left, fill)
+        within = ks <= cap
+        surplus = np.maximum.accumulate(np.maximum(np.where(within, gains[0] - lam * cost[0], 0.0), 0.0))
+        reach = np.maximum.accumulate(np.where(within, cost[0], 0.0))
+        return cap, lam, surplus.tolist(), reach.tolist()
 
     def step_done(self, emitted: int, seconds: float) -> None:
         """Track what planned steps delivered against their prediction, per kind (plain,

@@ -46,6 +46,7 @@ class Request:
     # acceptance history (1 = accepted, 0 = rejected) of the last drafted positions, for policies
     accept_history: deque = field(default_factory=lambda: deque(maxlen=64))
     policy_state: dict = field(default_factory=dict)
+    drafter_state: dict = field(default_factory=dict)   # e.g. the n-gram drafter's index of this context
 
     @property
     def token_ids(self) -> list[int]:

@@ -191,6 +191,29 @@ def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
             assert c == len(prop.propose(ids, max(0, min(4, remaining))))
 
 
+@pytest.mark.parametrize("sizes", [(1, 4), (2, 3), (1, 1)])
+def test_ngram_index_equals_the_scan(sizes):
+    """The n-gram drafter's per-request index (extended as the context grows) proposes exactly
+    what a scan of the whole context finds, for growing contexts, any k, small and large
+    vocabularies (many and few matches), and rebuilds when the context is not an extension."""
+    import random
+
+    from specrt.drafters import NgramProposer
+
+    prop = NgramProposer(*sizes)
+    rnd = random.Random(sum(sizes))
+    for _ in range(150):
+        vocab = rnd.choice([2, 3, 5, 50])
+        ctx = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, 5))]
+        state = {}
+        for _ in range(40):
+            k = rnd.randrange(0, 6)
+            assert prop.propose(ctx, k, state) == prop._scan(ctx, k), (ctx, k)
+            ctx = ctx + [rnd.randrange(vocab) for _ in range(rnd.randrange(0, 4))]
+        other = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, len(ctx) + 3))]
+        assert prop.propose(other, 3, state) == prop._scan(other, 3)
+
+
 def test_speculation_actually_accepts(pair):
     """The layer-init draft must agree with the target often enough that steps emit >1 token,
     otherwise the identity tests above would pass vacuously."""

@@ -1,8 +1,21 @@
 """N-gram / prompt-lookup drafter: no model, proposes the continuation of the
 latest earlier occurrence of the context's last n tokens (n from max_n down to
 min_n). Deterministic, so its draft distribution is one-hot (draft_probs=None).
+
+With a per-request ``state`` dict, ``propose`` keeps an index of the n-grams it has
+seen (the latest start of each), extended by the tokens appended since the last call:
+a proposal is then a few dict lookups instead of a scan of the whole context, which
+the engine needs because it asks for every running request on every step.
 """
 from __future__ import annotations
+
+
+class _Index:
+    __slots__ = ("tokens", "latest")
+
+    def __init__(self, min_n: int, max_n: int):
+        self.tokens: list[int] = []        # the indexed prefix (n-grams ending inside it)
+        self.latest = {n: {} for n in range(min_n, max_n + 1)}   # n -> {n-gram: latest start}
 
 
 class NgramProposer:
@@ -12,18 +25,41 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, context: list[int], k: int) -> list[int]:
-        """Up to k tokens following the latest earlier match of the last n tokens."""
+    def propose(self, context: list[int], k: int, state: dict | None = None) -> list[int]:
+        """Up to k tokens following the latest earlier match of the last n tokens.
+        ``state``: a dict owned by the request whose growing context this is (kept between
+        calls; a context that is not an extension of the indexed one rebuilds the index: the
+        check is one list comparison, microseconds)."""
         if k <= 0:
             return []
+        if state is None:
+            return self._scan(context, k)
+        length = len(context)
+        idx = state.get("ngram")
+        if idx is None or context[:len(idx.tokens)] != idx.tokens:
+            idx = state["ngram"] = _Index(self.min_n, self.max_n)
+        # index every n-gram that ends before the last position (the suffix itself is not a match)
+        end = length - 1
+        done = len(idx.tokens)
+        for e in range(done + 1, end + 1):    # n-grams ending at e (exclusive)
+            for n, table in idx.latest.items():
+                if e >= n:
+                    table[tuple(context[e - n:e])] = e - n
+        if end > done:
+            idx.tokens.extend(context[done:end])
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = idx.latest[n].get(tuple(context[length - n:]))
+            if start is not None:
+                return context[start + n:start + n + k]
+        return []
+
+    def _scan(self, context: list[int], k: int) -> list[int]:
+        """The stateless reference: scan back for the latest earlier occurrence."""
         length = len(context)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             suffix = context[length - n:]
             # latest occurrence that ends before the suffix itself
             for start in range(length - n - 1, -1, -1):
                 if context[start:start + n] == suffix:
-                    follow = context[start + n:start + n + k]
-                    if follow:
-                        return follow
-                    break
+                    return context[start + n:start + n + k]
         return []
