@@ -75,6 +75,7 @@ class Settings:
     batch_sizes: tuple = (1, 2, 4, 8, 16, 32)
     batch_max_tokens: int = 64
     batch_repeats: int = 9        # whole batches are short units: more repeats to tame timing noise
+    batch_requests_per_slot: int = 2   # batch section: requests served per unit of concurrency
     peer_prompts: int = 8
     cost_reps: int = 40
     sweep_prompts_per_category: int = 2
@@ -302,10 +303,34 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _generate_timed(llm, prompts: list[list[int]], params, batched: bool) -> tuple[float, list[list[int]]]:
+def generate_concurrent(llm, prompts: list[list[int]], params, concurrency: int):
+    """Serve ``prompts`` with at most ``concurrency`` requests in flight: the first
+    ``concurrency`` start together, and each one that finishes is replaced by the next prompt at
+    once (continuous batching, as a server under steady load sees it). Outputs in prompt order."""
+    eng = llm.engine
+    params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    ids: list[str] = []
+    live: set[str] = set()
+    done: dict = {}
+    while len(done) < len(prompts):
+        while len(live) < concurrency and len(ids) < len(prompts):
+            i = len(ids)
+            ids.append(eng.add_request(prompts[i], params[i]))
+            live.add(ids[-1])
+        for out in eng.step():
+            if out.finished and out.request_id in live:
+                live.discard(out.request_id)
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def _generate_timed(llm, prompts: list[list[int]], params, batched: bool,
+                    concurrency: int | None = None) -> tuple[float, list[list[int]]]:
     _sync(llm.engine.device)
     t0 = _now()
-    if batched:
+    if concurrency:
+        outs = generate_concurrent(llm, prompts, params, concurrency)
+    elif batched:
         outs = llm.generate(prompts, params)
     else:
         outs = [llm.generate([p], params)[0] for p in prompts]
@@ -314,17 +339,20 @@ def _generate_timed(llm, prompts: list[list[int]], params, batched: bool) -> tup
 
 
 def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool = False,
-            baseline: str = "ar") -> dict:
+            baseline: str = "ar", concurrency: int | None = None) -> dict:
     """modes: {name: (llm, params)}, each with its own LLM. Batch 1 (batched=False): for every
     prompt all modes run back to back, in a (seeded) random order that changes from prompt to
     prompt and from repeat to repeat, so machine noise and position effects (a mode that runs
     right after itself finds its weights in the CPU caches) hit every mode alike; batched: the whole batch is
     one unit. Time of a mode = sum over units of the median over repeats; its speedup is the
     median over repeats of that repeat's time ratio to the baseline (paired). Stats (acceptance,
-    tau, ...) are one repeat's, over all prompts (seeded: every repeat decodes the same tokens)."""
+    tau, ...) are one repeat's, over all prompts (seeded: every repeat decodes the same tokens).
+    concurrency: all prompts are one unit served with at most that many in flight
+    (``generate_concurrent``)."""
     from specrt.metrics import EngineMetrics
 
     names = list(modes)
+    batched = batched or bool(concurrency)
     units = [prompts] if batched else [[p] for p in prompts]
     secs = {m: [[0.0] * repeats for _ in units] for m in names}
     ids = {m: [None] * len(units) for m in names}
@@ -340,7 +368,7 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
             random.Random(1000 * rep + u).shuffle(order)
             for m in order:
                 llm, params = modes[m]
-                secs[m][u][rep], out = _generate_timed(llm, unit, params, batched)
+                secs[m][u][rep], out = _generate_timed(llm, unit, params, batched, concurrency)
                 ids[m][u] = out
         for m in names:
             llm = modes[m][0]
@@ -553,7 +581,7 @@ class Bench:
         spec_kw.setdefault("max_batch_size", 32)
         # a KV cache sized for the benchmark, not for the model's full context (allocation time on CPU)
         spec_kw.setdefault("max_model_len", min(self.target_config.max_model_len,
-                                                self.s.max_prompt_tokens + max(self.s.max_tokens, self.s.batch_max_tokens) + 64))
+                                                self.s.max_prompt_tokens + max(self.s.max_tokens, self.s.batch_max_tokens * 3 // 2 + 1) + 64))
         dev = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dev.type == "cuda" and "kv_cache_budget" not in spec_kw:
             # a byte budget sized for the benchmark: the default (a fraction of FREE memory) would
@@ -664,8 +692,14 @@ class Bench:
         K = self.s.draft_length
         out = {}
         for B in self.s.batch_sizes:
-            prompts = [pool[i % len(pool)] for i in range(B)]
-            params = self.params(max_tokens=self.s.batch_max_tokens)
+            # concurrency B under continuous batching: batch_requests_per_slot * B requests of
+            # varied length (batch_max_tokens/2 .. 3/2 of it), at most B in flight, a finished
+            # one replaced at once; so every mode runs at batch B for most of the time, instead
+            # of a closed batch whose tail is a few stragglers at batch 1-2
+            n = B * self.s.batch_requests_per_slot
+            prompts = [pool[i % len(pool)] for i in range(n)]
+            mt = self.s.batch_max_tokens
+            params = [self.params(max_tokens=max(1, mt // 2 + (i * 7) % (mt + 1))) for i in range(n)]
             ar = self.llm(None)
             # "ar_again" runs the same AR engine a second time: its ratio to "ar" is this
             # machine's noise at this batch size, measured in the same alternating run
@@ -676,10 +710,12 @@ class Bench:
                 # the free n-gram drafter too: where drafting pays, the budget policy must draft
                 modes["ngram_fixed"] = (self.llm("ngram", max_draft_length=K), params)
                 modes["ngram_budget"] = (self.llm("ngram", policy="budget", max_draft_length=K), params)
-            out[str(B)] = _strip_ids(compare(modes, prompts, max(self.s.repeats, self.s.batch_repeats), batched=True))
+            out[str(B)] = _strip_ids(compare(modes, prompts, max(self.s.repeats, self.s.batch_repeats),
+                                             concurrency=B))
         noise = {B: abs(1.0 - r["ar_again"]["speedup"]) for B, r in out.items()}
         tol = {B: max(0.02, n) for B, n in noise.items()}
         res = {"drafter": self.main_drafter, "draft_length": K, "max_tokens": self.s.batch_max_tokens,
+               "requests_per_slot": self.s.batch_requests_per_slot, "mode": "continuous batching",
                "by_batch_size": out, "ar_vs_ar_noise": noise}
         for m in ("budget", "ngram_budget"):
             if not all(m in r for r in out.values()):
@@ -1091,8 +1127,12 @@ def write_report(res: dict, out: Path, plots: list[str]) -> str:
     bt = res.get("batch")
     if bt:
         ng = all("ngram_budget" in r for r in bt["by_batch_size"].values())
-        L += [f"## Batch size ({bt['drafter']} drafter{' and n-gram' if ng else ''}, K={bt['draft_length']}, "
-              f"{bt['max_tokens']} new tokens)", "",
+        per = bt.get("requests_per_slot")
+        how = (f"concurrency B under continuous batching: {per}B requests of {bt['max_tokens'] // 2}-"
+               f"{bt['max_tokens'] * 3 // 2} new tokens, at most B in flight, each finished request replaced at "
+               f"once" if per else f"{bt['max_tokens']} new tokens, closed batches")
+        L += [f"## Batch size ({bt['drafter']} drafter{' and n-gram' if ng else ''}, K={bt['draft_length']})", "",
+              f"Batch size B = {how}.", "",
               "| batch | AR tokens/s | AR again (noise) | fixed tokens/s | fixed speedup | budget tokens/s | "
               "budget speedup | budget mean K | budget planning share of wall time |"
               + (" n-gram fixed speedup | n-gram budget speedup | n-gram budget mean K |" if ng else ""),

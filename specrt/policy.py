@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from specrt.config import SpecConfig
 
 
@@ -102,8 +104,6 @@ def _nonneg_fit(x, y, always: list[int], optional: list[int]):
     each), so a refit costs well under a millisecond."""
     import itertools
 
-    import numpy as np
-
     # a column that barely varies cannot be told apart from the others' constant part
     optional = [c for c in optional if x[:, c].std() > 0.05 * max(abs(x[:, c].mean()), 1e-12)]
     scale = np.sqrt((x * x).mean(0))
@@ -187,20 +187,26 @@ class CostModel:
         return n >= 4 and (at is None or n - at >= max(16, min(n, 256) // 4))
 
     def refit(self) -> None:
-        """Refit whichever model has enough new samples (see ``_due``)."""
-        import numpy as np
-
+        """Refit whichever model has enough new samples (see ``_due``). ``fit_version`` moves
+        only when a refit changed a prediction on the recent samples by more than 1% (plans
+        built on the old fit stay valid otherwise)."""
         if self._due(0):
             self._fitted_at[0] = self._added[0]
             v = np.array(self.verify_samples[-256:], dtype=float)
             x = np.column_stack([np.ones(len(v)), v[:, :4]])
-            self._verify_coef = _nonneg_fit(x, v[:, 4], always=[0], optional=[1, 2, 3, 4])
-            self.fit_version += 1
+            self._verify_coef = self._bump(x, self._verify_coef, _nonneg_fit(x, v[:, 4], always=[0],
+                                                                             optional=[1, 2, 3, 4]))
         if self._due(1):
             self._fitted_at[1] = self._added[1]
             d = np.array(self.draft_samples[-256:], dtype=float)
-            self._draft_coef = _nonneg_fit(d[:, :3], d[:, 3], always=[0], optional=[1, 2])
+            self._draft_coef = self._bump(d[:, :3], self._draft_coef, _nonneg_fit(d[:, :3], d[:, 3], always=[0],
+                                                                                  optional=[1, 2]))
+
+    def _bump(self, x, old, new):
+        if old is None or np.max(np.abs(x @ (new - old)) / np.maximum(x @ old, 1e-12)) > 0.01:
             self.fit_version += 1
+            return new
+        return old      # within 1% everywhere: keep the fit the plans were built on
 
     @property
     def has_draft_fit(self) -> bool:
@@ -296,13 +302,21 @@ class BudgetPolicy(DraftPolicy):
         return sum(self._pooled) / len(self._pooled) if len(self._pooled) >= 32 else 0.7
 
     def plan(self, requests, k_caps, costs=None, catchup=None):
-        import numpy as np
-
         costs = costs or CostModel()
         costs.refit()
         n = len(requests)
         if n == 0:
             return []
+        off = self._off
+        if (off is not None and not self._plain_left and off["costs"] is costs and off["fit"] == costs.fit_version
+                and off["age"] < self.replan_every and costs.steps_since_plain == 0):
+            same, prev = (tuple(r.request_id for r in requests), tuple(map(id, requests))), off.get("same")
+            if prev is not None and same == prev[:2] and all(c <= p for c, p in zip(k_caps, prev[2])):
+                # the very batch of the last off step, no cap grew (caps shrink as requests near
+                # their end, which only makes drafting dearer): only contexts grew, a few tokens
+                # each, priced again at the next full plan (replan_every steps at most)
+                off["age"] += 1
+                return self._off_step(requests, k_caps, catchup or [0] * n, costs, off, off["plain"], off["t_ar"])
         lag = list(catchup) if catchup is not None else [0] * n
         caps = [max(min(c, self.spec.max_draft_length), 0) for c in k_caps]
         if self.spec.min_draft_length == 0:
@@ -454,6 +468,12 @@ class BudgetPolicy(DraftPolicy):
                 return None
         off["rows"] = rows
         off["age"] += 1
+        off["same"] = (tuple(r.request_id for r in requests), tuple(map(id, requests)), tuple(caps))
+        off["plain"], off["t_ar"] = plain, t_ar
+        return self._off_step(requests, caps, lag, costs, off, plain, t_ar)
+
+    def _off_step(self, requests, caps, lag, costs, off, plain, t_ar):
+        n = len(requests)
         out = [0] * n
         self._explore(requests, out, caps, lag, plain, off["prices"], costs.has_draft_fit)
         prefill = any(r.context_len - r.target_cached > 1 for r in requests)
@@ -462,18 +482,25 @@ class BudgetPolicy(DraftPolicy):
         return out
 
     def _row(self, r, cap: int, lag: int, lam: float, depths: int, prior: float, per_token: float, d_tok: float):
-        """One request's (cap, lam, surplus[d], cost[d]) for d < depths, as the full plan's tables."""
-        import numpy as np
-
-        rate = np.array([recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight)])
-        fill = np.array([r.policy_state.get("fill", self._fill)])
-        left = np.array([max(r.params.max_tokens - r.num_generated, 1)], dtype=float)
-        ks = np.arange(depths)
-        gains, cost = self._tables(rate, ks, np.array([per_token]), np.array([d_tok * lag], float), left, fill)
-        within = ks <= cap
-        surplus = np.maximum.accumulate(np.maximum(np.where(within, gains[0] - lam * cost[0], 0.0), 0.0))
-        reach = np.maximum.accumulate(np.where(within, cost[0], 0.0))
-        return cap, lam, surplus.tolist(), reach.tolist()
+        """One request's (cap, lam, surplus[d], cost[d]) for d < depths: the full plan's tables
+        (``_tables``) for one row, in plain Python (a newcomer costs microseconds)."""
+        rate = recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight)
+        fill = r.policy_state.get("fill", self._fill)
+        left = float(max(r.params.max_tokens - r.num_generated, 1))
+        surplus, reach = [0.0], [0.0]
+        best = worst = total = 0.0
+        power = 1.0
+        for k in range(1, depths):
+            if k <= cap:
+                power *= rate
+                total += power
+                gain = total * fill
+                cost = k * per_token * fill + d_tok * lag / max(left / (1.0 + gain), 1.0)
+                best = max(best, gain - lam * cost)
+                worst = max(worst, cost)
+            surplus.append(best)
+            reach.append(worst)
+        return cap, lam, surplus, reach
 
     def step_done(self, emitted: int, seconds: float) -> None:
         """Track what planned steps delivered against their prediction, per kind (plain,
@@ -514,8 +541,6 @@ class BudgetPolicy(DraftPolicy):
         the catch-up fixed_total[b] spread over the request's remaining steps at that k. fill_b: the
         fraction of asked tokens the drafter proposes (what is not proposed is neither verified
         nor accepted)."""
-        import numpy as np
-
         fill = np.ones_like(rates) if fill is None else fill
         powers = rates[:, None] ** ks[None, :]                      # r^0 .. r^K
         gains = (np.cumsum(powers, 1) - 1.0) * fill[:, None]        # fill * sum_{i=1..k} r^i

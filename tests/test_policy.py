@@ -199,6 +199,28 @@ def test_off_verdict_survives_churn_only_while_it_holds():
     assert max(pol.plan(reqs[:1], [4], c)) > 0
 
 
+def test_newcomer_row_matches_the_full_plan_tables():
+    """The off state prices a newcomer in plain Python: it must equal the full plan's numpy
+    tables (surplus over the threshold at each depth, and the cost reached)."""
+    from specrt.policy import recent_acceptance
+
+    pol, rng = policy(), np.random.default_rng(0)
+    for _ in range(200):
+        r = make_requests(1, rate=float(rng.random()), max_tokens=int(rng.integers(5, 300)))[0]
+        r.policy_state["fill"] = float(rng.random())
+        cap, lag, lam, depths = int(rng.integers(0, 6)), int(rng.integers(0, 300)), float(rng.random() * 2000), 6
+        per_token, d_tok = float(rng.random() * 1e-3), float(rng.random() * 1e-4)
+        _, _, surplus, reach = pol._row(r, cap, lag, lam, depths, 0.7, per_token, d_tok)
+        ks = np.arange(depths)
+        rate = np.array([recent_acceptance(r, pol.spec.acceptance_window, 0.7, pol.prior_weight)])
+        g, c = pol._tables(rate, ks, np.array([per_token]), np.array([d_tok * lag]),
+                           np.array([float(r.params.max_tokens - r.num_generated)]), np.array([r.policy_state["fill"]]))
+        within = ks <= cap
+        want = np.maximum.accumulate(np.maximum(np.where(within, g[0] - lam * c[0], 0.0), 0.0))
+        assert np.allclose(surplus, want, rtol=1e-9, atol=1e-12)
+        assert np.allclose(reach, np.maximum.accumulate(np.where(within, c[0], 0.0)), rtol=1e-9, atol=1e-15)
+
+
 def test_min_draft_length_and_caps_are_respected():
     c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(3e-3, 0, 0))        # off on its own
     pol = policy(min_draft_length=2)
