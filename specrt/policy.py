@@ -271,6 +271,7 @@ class BudgetPolicy(DraftPolicy):
     prior_weight = 8.0  # outcomes' worth of the pooled rate in a request's own acceptance estimate
     track_forget = 0.998  # per step of the other kind (half-life ~350 steps)
     optimism = 0.25
+    depth_decay = 0.998  # per drafted outcome, of the pooled per-position acceptance counts
 
     def __init__(self, spec: SpecConfig):
         super().__init__(spec)
@@ -283,11 +284,22 @@ class BudgetPolicy(DraftPolicy):
         self._since_drafted = 0             # steps since anything was drafted (see _explore)
         self._fill = 1.0                   # pooled fraction of asked draft tokens proposed
         self._tracked = None               # (kind, predicted tokens, predicted seconds) of this step
+        # pooled acceptance by draft position, decayed: tried[i] / accepted[i] count position i
+        # (1-based) reached / accepted; their ratio to the overall rate shapes every request's
+        # per-position acceptance (an n-gram match that survives its first token tends to go on)
+        self._depth_tried = np.zeros(spec.max_draft_length + 1)
+        self._depth_acc = np.zeros(spec.max_draft_length + 1)
 
     def observe(self, request, drafted: int, accepted: int) -> None:
         super().observe(request, drafted, accepted)
         if drafted:
             self._pooled.extend([1] * accepted + ([0] if accepted < drafted else []))
+            reached = min(accepted + 1, drafted, len(self._depth_tried) - 1)
+            self._depth_tried *= self.depth_decay
+            self._depth_acc *= self.depth_decay
+            self._depth_tried[1:reached + 1] += 1.0
+            self._depth_acc[1:min(accepted, reached) + 1] += 1.0
+            self._depth_profile = None
         asked = request.policy_state.pop("asked", 0)
         if asked > 0:
             # how much of what was asked the drafter proposed (an n-gram drafter proposes nothing
@@ -295,6 +307,24 @@ class BudgetPolicy(DraftPolicy):
             fill = request.policy_state.get("fill", self._fill)
             request.policy_state["fill"] = fill + 0.25 * (min(drafted / asked, 1.0) - fill)
             self._fill += 0.05 * (min(drafted / asked, 1.0) - self._fill)
+
+    def depth_profile(self) -> np.ndarray:
+        """factor[i] (i = 1..K; factor[0] = 1): pooled acceptance at draft position i given the
+        positions before it were accepted, over the pooled overall rate, each position shrunk
+        towards the overall rate by ``prior_weight`` outcomes (all ones without evidence). A
+        request's acceptance at position i is then its own rate times factor[i]."""
+        prof = getattr(self, "_depth_profile", None)
+        if prof is None:
+            tried, acc = self._depth_tried, self._depth_acc
+            total = float(tried[1:].sum())
+            prof = np.ones(len(tried))
+            if total > 0:
+                mean = float(acc[1:].sum()) / total
+                if mean > 0:
+                    cond = (acc[1:] + mean * self.prior_weight) / (tried[1:] + self.prior_weight)
+                    prof[1:] = np.clip(cond / mean, 0.25, 4.0)
+            self._depth_profile = prof
+        return prof
 
     def _prior(self) -> float:
         """What a request without history is expected to accept: the pooled recent rate of all
@@ -357,8 +387,9 @@ class BudgetPolicy(DraftPolicy):
 
         ks = np.arange(kmax + 1)
         fill = np.array([r.policy_state.get("fill", self._fill) for r in requests])
-        gains, cost = self._tables(rates, ks, per_verify + d_tok + d_ctx * ctxs, d_tok * np.array(lag, float), left,
-                                   fill)
+        prof = self.depth_profile()[:kmax + 1]
+        gains, cost = self._tables(np.minimum(rates[:, None] * prof[None, :], 0.99), ks, per_verify + d_tok + d_ctx * ctxs,
+                                   d_tok * np.array(lag, float), left, fill)
         rows = np.arange(n)
 
         def tokens_time(choice):
@@ -485,6 +516,7 @@ class BudgetPolicy(DraftPolicy):
         """One request's (cap, lam, surplus[d], cost[d]) for d < depths: the full plan's tables
         (``_tables``) for one row, in plain Python (a newcomer costs microseconds)."""
         rate = recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight)
+        prof = self.depth_profile()
         fill = r.policy_state.get("fill", self._fill)
         left = float(max(r.params.max_tokens - r.num_generated, 1))
         surplus, reach = [0.0], [0.0]
@@ -492,7 +524,7 @@ class BudgetPolicy(DraftPolicy):
         power = 1.0
         for k in range(1, depths):
             if k <= cap:
-                power *= rate
+                power *= min(rate * float(prof[k]), 0.99)
                 total += power
                 gain = total * fill
                 cost = k * per_token * fill + d_tok * lag / max(left / (1.0 + gain), 1.0)
@@ -537,13 +569,17 @@ class BudgetPolicy(DraftPolicy):
 
     @staticmethod
     def _tables(rates, ks, per_token, fixed_total, left, fill=None):
-        """gains[b, k] = fill_b * sum_{i<=k} r_b^i; cost[b, k] = fill_b * k * per_token[b] + (k > 0) *
+        """gains[b, k] = fill_b * sum_{i<=k} prod_{j<=i} r_b,j (rates [B] for r_b,j = r_b, or
+        [B, K+1] per position, column 0 unused); cost[b, k] = fill_b * k * per_token[b] + (k > 0) *
         the catch-up fixed_total[b] spread over the request's remaining steps at that k. fill_b: the
         fraction of asked tokens the drafter proposes (what is not proposed is neither verified
         nor accepted)."""
-        fill = np.ones_like(rates) if fill is None else fill
-        powers = rates[:, None] ** ks[None, :]                      # r^0 .. r^K
-        gains = (np.cumsum(powers, 1) - 1.0) * fill[:, None]        # fill * sum_{i=1..k} r^i
+        fill = np.ones(len(rates)) if fill is None else fill
+        if rates.ndim == 1:                                         # the same rate at every position
+            powers = rates[:, None] ** ks[None, :]                  # r^0 .. r^K
+        else:                                                       # rates[b, i]: position i given 1..i-1
+            powers = np.cumprod(np.where(ks[None, :] > 0, rates[:, :len(ks)], 1.0), 1)
+        gains = (np.cumsum(powers, 1) - 1.0) * fill[:, None]        # fill * sum_{i=1..k} P(1..i accepted)
         steps_left = np.maximum(left[:, None] / (1.0 + gains), 1.0)
         cost = (ks[None, :] * (per_token * fill)[:, None]
                 + np.where(ks[None, :] > 0, fixed_total[:, None] / steps_left, 0.0))

@@ -205,15 +205,20 @@ def test_newcomer_row_matches_the_full_plan_tables():
     from specrt.policy import recent_acceptance
 
     pol, rng = policy(), np.random.default_rng(0)
+    seen = make_requests(1)[0]
+    for a in (0, 1, 4, 4, 3, 0, 2, 4):          # outcomes shape the per-position profile
+        pol.observe(seen, 4, a)
+    prof = pol.depth_profile()
+    assert not np.allclose(prof[1:], 1.0)
     for _ in range(200):
         r = make_requests(1, rate=float(rng.random()), max_tokens=int(rng.integers(5, 300)))[0]
         r.policy_state["fill"] = float(rng.random())
-        cap, lag, lam, depths = int(rng.integers(0, 6)), int(rng.integers(0, 300)), float(rng.random() * 2000), 6
+        cap, lag, lam, depths = int(rng.integers(0, 5)), int(rng.integers(0, 300)), float(rng.random() * 2000), 5
         per_token, d_tok = float(rng.random() * 1e-3), float(rng.random() * 1e-4)
         _, _, surplus, reach = pol._row(r, cap, lag, lam, depths, 0.7, per_token, d_tok)
         ks = np.arange(depths)
-        rate = np.array([recent_acceptance(r, pol.spec.acceptance_window, 0.7, pol.prior_weight)])
-        g, c = pol._tables(rate, ks, np.array([per_token]), np.array([d_tok * lag]),
+        rate = recent_acceptance(r, pol.spec.acceptance_window, 0.7, pol.prior_weight)
+        g, c = pol._tables(np.minimum(rate * prof[None, :depths], 0.99), ks, np.array([per_token]), np.array([d_tok * lag]),
                            np.array([float(r.params.max_tokens - r.num_generated)]), np.array([r.policy_state["fill"]]))
         within = ks <= cap
         want = np.maximum.accumulate(np.maximum(np.where(within, g[0] - lam * c[0], 0.0), 0.0))
