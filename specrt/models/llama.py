@@ -13,7 +13,9 @@ device->host sync):
   * everything else (decode, K+1 verify, chunks after a cached prefix): ONE padded batch
     ``[B, max_q]`` x ``[B, max_ctx]`` with a boolean mask — except chunks longer than
     _LONG_QUERY tokens that would make the padded batch > 4x the useful work: those run
-    alone (one gather + SDPA each).
+    alone (one gather + SDPA each); and a verify that mixes one-query requests (nothing
+    drafted) with K+1-query ones, when padding would be most of the work, runs as two
+    batches (one-query, multi-query).
   * decode fast path: when every request has one query at the same length (always at batch 1)
     the keys are cut to exactly the context and SDPA runs without a mask.
 K and V of all the blocks a batch reads are fetched with ONE ``index_select`` per layer.
@@ -154,13 +156,65 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
 
 
 # ----------------------------------------------------------------------------- attention plan
+class _Group:
+    """Requests attended as ONE padded batch [B, max_q] x [B, ctx] (one gather, one SDPA)."""
+
+    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool):
+        qls, sls = meta.query_lens_host, meta.seq_lens_host
+        bs = meta.block_size
+        dev = meta.seq_lens.device
+        self.members = members
+        self.max_q = max(qls[b] for b in members)
+        self.max_s = max(sls[b] for b in members)
+        self.num_blocks = -(-self.max_s // bs)
+        if whole:
+            self.rows = None  # every row, in order
+            self.req = meta.token_request_ids
+            self.qi = meta.token_query_idx
+            self.block_tables = meta.block_tables[:, : self.num_blocks]
+            q_lens, s_lens = meta.query_lens, meta.seq_lens
+        else:
+            rows, req, qi = [], [], []
+            for j, b in enumerate(members):
+                rows.extend(range(starts[b], starts[b] + qls[b]))
+                req.extend([j] * qls[b])
+                qi.extend(range(qls[b]))
+
+            def t(x):
+                return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+
+            self.rows, self.req, self.qi = t(rows), t(req), t(qi)
+            sel = t(members)
+            self.block_tables = meta.block_tables[sel, : self.num_blocks]
+            q_lens, s_lens = t([qls[b] for b in members]), t([sls[b] for b in members])
+        self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
+        self._q_lens, self._s_lens, self._ctx, self._dev = q_lens, s_lens, self.num_blocks * bs, dev
+        # decode fast path: one query per request at the same length -> keys [0, s) need no mask
+        self.uniform_decode = self.max_q == 1 and all(sls[b] == self.max_s for b in members)
+        self._masks: dict = {}
+
+    def batched_mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, 1, max_q, ctx] mask of the padded batch; None when keys are cut to [0, max_s) instead."""
+        if self.uniform_decode and (window is None or window >= self.max_s):
+            return None
+        if window not in self._masks:
+            i = torch.arange(self.max_q, device=self._dev)
+            s_lens, q_lens = self._s_lens, self._q_lens
+            # position of query i of request b; padded query rows reuse the last position (never fully masked)
+            qp = torch.minimum((s_lens - q_lens)[:, None] + i, (s_lens - 1)[:, None])[:, :, None]  # [B, max_q, 1]
+            k_pos = torch.arange(self._ctx, device=self._dev)
+            m = k_pos <= qp  # [B, max_q, ctx]
+            if window is not None:
+                m = m & (k_pos > qp - window)
+            self._masks[window] = m[:, None]  # [B, 1, max_q, ctx]
+        return self._masks[window]
+
+
 class _Plan:
     """How one AttentionMetadata's requests are grouped (host lists only; built once per call)."""
 
     def __init__(self, meta: AttentionMetadata):
         meta.ensure_derived()
-        bs = meta.block_size
-        dev = meta.seq_lens.device
         qls, sls = meta.query_lens_host, meta.seq_lens_host
         starts = [0]
         for q in qls:
@@ -182,56 +236,21 @@ class _Plan:
                 break
             b = rest.pop()
             self.long.append((b, starts[b], qls[b], sls[b]))
-        batched = sorted(rest)
         self.num_rows = starts[-1]
-        self.batched = batched
-        self.all_batched = len(batched) == len(qls)
-        if batched:
-            self.max_q = max(qls[b] for b in batched)
-            self.max_s = max(sls[b] for b in batched)
-            self.num_blocks = -(-self.max_s // bs)
-            if self.all_batched:
-                self.rows = None  # every row, in order
-                self.req = meta.token_request_ids
-                self.qi = meta.token_query_idx
-                self.block_tables = meta.block_tables[:, : self.num_blocks]
-                q_lens, s_lens = meta.query_lens, meta.seq_lens
+        self.groups: list[_Group] = []
+        if rest:
+            # a verify step mixes one-query requests (nothing drafted) with K+1-query ones: padded
+            # together, every one-query request would attend max_q rows; split in two batches
+            # when that padding is most of the work (a second SDPA costs less than that)
+            one = sorted(b for b in rest if qls[b] == 1)
+            multi = sorted(b for b in rest if qls[b] > 1)
+            if one and multi and len(rest) * qls[rest[-1]] > 2 * sum(qls[b] for b in rest):
+                self.groups = [_Group(meta, one, starts, False), _Group(meta, multi, starts, False)]
             else:
-                rows, req, qi = [], [], []
-                for j, b in enumerate(batched):
-                    rows.extend(range(starts[b], starts[b] + qls[b]))
-                    req.extend([j] * qls[b])
-                    qi.extend(range(qls[b]))
-
-                def t(x):
-                    return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
-
-                self.rows, self.req, self.qi = t(rows), t(req), t(qi)
-                sel = t(batched)
-                self.block_tables = meta.block_tables[sel, : self.num_blocks]
-                q_lens, s_lens = t([qls[b] for b in batched]), t([sls[b] for b in batched])
-            self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
-            self._q_lens, self._s_lens, self._ctx, self._dev = q_lens, s_lens, self.num_blocks * bs, dev
-            # decode fast path: one query per request at the same length -> keys [0, s) need no mask
-            self.uniform_decode = self.max_q == 1 and all(sls[b] == self.max_s for b in batched)
+                members = sorted(rest)
+                self.groups = [_Group(meta, members, starts, len(members) == len(qls))]
+        self.all_batched = len(self.groups) == 1 and self.groups[0].rows is None
         self._masks: dict = {}
-
-    def batched_mask(self, window: int | None) -> torch.Tensor | None:
-        """[B, 1, max_q, ctx] mask of the padded batch; None when keys are cut to [0, max_s) instead."""
-        if self.uniform_decode and (window is None or window >= self.max_s):
-            return None
-        key = ("batched", window)
-        if key not in self._masks:
-            i = torch.arange(self.max_q, device=self._dev)
-            s_lens, q_lens = self._s_lens, self._q_lens
-            # position of query i of request b; padded query rows reuse the last position (never fully masked)
-            qp = torch.minimum((s_lens - q_lens)[:, None] + i, (s_lens - 1)[:, None])[:, :, None]  # [B, max_q, 1]
-            k_pos = torch.arange(self._ctx, device=self._dev)
-            m = k_pos <= qp  # [B, max_q, ctx]
-            if window is not None:
-                m = m & (k_pos > qp - window)
-            self._masks[key] = m[:, None]  # [B, 1, max_q, ctx]
-        return self._masks[key]
 
     def mask(self, key, q: int, s: int, window: int | None, device) -> torch.Tensor | None:
         """[q, s] mask for queries at positions s-q..s-1 over keys 0..s-1 (None = plain causal, q == s)."""
@@ -292,33 +311,33 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=m, scale=scale, enable_gqa=gqa)
         out[start:start + n] = o[0].transpose(0, 1)
 
-    if plan.batched:
-        Bg, nb = plan.block_tables.shape
-        mask = plan.batched_mask(window)
+    for g in plan.groups:
+        Bg, nb = g.block_tables.shape
+        mask = g.batched_mask(window)
         # ONE gather of K and V (index_select of whole blocks: ~4x cheaper than advanced indexing)
         NB = layer_cache.shape[1]
-        kv = layer_cache.view(2, NB, bs * Hkv * D).index_select(1, plan.block_tables.view(-1))
+        kv = layer_cache.view(2, NB, bs * Hkv * D).index_select(1, g.block_tables.view(-1))
         kv = kv.view(2, Bg, nb * bs, Hkv, D)
         if mask is None:
-            kv = kv[:, :, :plan.max_s]  # uniform decode: exactly the context, no mask
+            kv = kv[:, :, :g.max_s]  # uniform decode: exactly the context, no mask
         kv = kv.to(q.dtype).transpose(2, 3)  # [2, B, Hkv, ctx, D]
-        q_rows = q if plan.rows is None else q[plan.rows]
-        if plan.rows is None and T > plan.num_rows:
+        q_rows = q if g.rows is None else q[g.rows]
+        if g.rows is None and T > plan.num_rows:
             q_rows = q[: plan.num_rows]
-        if plan.max_q == 1:
+        if g.max_q == 1:
             qp = q_rows.view(Bg, 1, H, D)
         else:
-            qp = q.new_zeros(Bg, plan.max_q, H, D)
-            qp[plan.req, plan.qi] = q_rows
+            qp = q.new_zeros(Bg, g.max_q, H, D)
+            qp[g.req, g.qi] = q_rows
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kv[0], kv[1], attn_mask=mask,
                                            scale=scale, enable_gqa=gqa).transpose(1, 2)  # [B, max_q, H, D]
-        o_rows = o.reshape(Bg, H, D) if plan.max_q == 1 else o[plan.req, plan.qi]
+        o_rows = o.reshape(Bg, H, D) if g.max_q == 1 else o[g.req, g.qi]
         if out is None:
             return o_rows
-        if plan.rows is None:
+        if g.rows is None:
             out[: plan.num_rows] = o_rows
         else:
-            out[plan.rows] = o_rows
+            out[g.rows] = o_rows
     return out
 
 
