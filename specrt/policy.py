@@ -507,6 +507,12 @@ class BudgetPolicy(DraftPolicy):
         n = len(requests)
         out = [0] * n
         self._explore(requests, out, caps, lag, plain, off["prices"], costs.has_draft_fit)
+        if any(out):
+            # what an explored request shows (its acceptance) is new evidence: price it afresh
+            off["same"] = None
+            for r, k in zip(requests, out):
+                if k:
+                    off["rows"].pop((r.request_id, id(r)), None)
         prefill = any(r.context_len - r.target_cached > 1 for r in requests)
         measured = costs._verify_coef is not None
         self._tracked = None if any(out) or prefill or not measured else (0, n, t_ar, n)
