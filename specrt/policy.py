@@ -437,11 +437,16 @@ class BudgetPolicy(DraftPolicy):
             # of that depth; the step drafts only if the surplus of all requests beats those fixed
             # costs (see _still_off)
             lam = self._threshold(plain, n)
+            K = self.spec.max_draft_length
+            if kmax < K:     # rows over every depth a later cap may reach (caps shrink, newcomers come)
+                ks = np.arange(K + 1)
+                gains, cost = self._tables(np.minimum(rates[:, None] * self.depth_profile()[None, :], 0.99), ks,
+                                           per_verify + d_tok + d_ctx * ctxs, d_tok * np.array(lag, float), left, fill)
             net = np.where(ks[None, :] <= caps_a[:, None], gains - lam * cost, -np.inf)
             surplus = np.maximum.accumulate(np.maximum(net, 0.0), axis=1)
             reach = np.maximum.accumulate(np.where(ks[None, :] <= caps_a[:, None], cost, 0.0), axis=1)
             self._off = {"costs": costs, "fit": costs.fit_version, "age": 1, "lam": best, "prices": prices,
-                         "coefs": (per_verify, d_fwd, d_fwd1, d_tok, d_ctx), "depths": kmax + 1,
+                         "coefs": (per_verify, d_fwd, d_fwd1, d_tok, d_ctx), "depths": K + 1,
                          "rows": {(r.request_id, id(r)): (caps[b], lam, surplus[b].tolist(), reach[b].tolist())
                                   for b, r in enumerate(requests)}}
         self._explore(requests, out, caps, lag, best, prices, costs.has_draft_fit)
@@ -613,7 +618,13 @@ class BudgetPolicy(DraftPolicy):
                 # would one token pay at the current throughput if this request's drafts were
                 # accepted more often than measured? (always, while draft costs are unmeasured)
                 prior = self._prior() if prior is None else prior
-                r_opt = min(recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight) + self.optimism, 0.97)
+                # optimism shrinks as pooled evidence grows when a look costs a catch-up (the
+                # draft consumes the whole context first): with hundreds of outcomes known,
+                # a hopeful +0.25 is no longer worth a prefill of the draft per request
+                opt = self.optimism
+                if lag[b] > 0 and len(self._pooled) > 32:
+                    opt *= (32 / len(self._pooled)) ** 0.5
+                r_opt = min(recent_acceptance(r, self.spec.acceptance_window, prior, self.prior_weight) + opt, 0.97)
                 steps_left = max(left / (1.0 + r_opt), 1.0)
                 price = (per_verify + d_tok + d_ctx * r.context_len + d_tok * lag[b] / steps_left
                          + (0.0 if someone_drafts else d_fwd))
