@@ -282,6 +282,7 @@ class BudgetPolicy(DraftPolicy):
         # seconds, and the steps' weight (see step_done)
         self._track: dict[int, list] = {}   # batch-size bucket -> [plain sums, drafted sums]
         self._since_drafted = 0             # steps since anything was drafted (see _explore)
+        self._fruitless_looks = 0           # looks with a catch-up since a plan last drafted
         self._fill = 1.0                   # pooled fraction of asked draft tokens proposed
         self._tracked = None               # (kind, predicted tokens, predicted seconds) of this step
         # pooled acceptance by draft position, decayed: tried[i] / accepted[i] count position i
@@ -607,6 +608,11 @@ class BudgetPolicy(DraftPolicy):
         prior = None
         n = len(requests)
         self._since_drafted = 0 if someone_drafts else self._since_drafted + 1
+        if someone_drafts:
+            self._fruitless_looks = 0
+        # looks that cost a catch-up back off while they keep finding nothing: x2 the interval
+        # per two looks that did not turn drafting on, up to x16 (explore_every 16 -> 256 steps)
+        backoff = 1 << min(self._fruitless_looks // 2, 4)
         # the price check can be wrong (costs fitted on noise): with nothing drafted for
         # explore_max steps, a request whose draft needs no catch-up looks anyway
         overdue = self._since_drafted >= self.explore_max
@@ -614,7 +620,7 @@ class BudgetPolicy(DraftPolicy):
             idle = r.policy_state.get("steps_without_draft", 0)
             left = max(r.params.max_tokens - r.num_generated, 1)
             # (what a look finds serves later requests too: the pooled rate, fill and corrections)
-            if ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every:
+            if ks[b] == 0 and caps[b] > 0 and idle >= self.explore_every * (backoff if lag[b] > 0 else 1):
                 # would one token pay at the current throughput if this request's drafts were
                 # accepted more often than measured? (always, while draft costs are unmeasured)
                 prior = self._prior() if prior is None else prior
@@ -633,6 +639,7 @@ class BudgetPolicy(DraftPolicy):
                     ks[b] = 1
                     overdue = False
                     self._since_drafted = 0
+                    self._fruitless_looks += lag[b] > 0
                 idle = -1          # explored, or not worth it: look again in explore_every steps
             r.policy_state["steps_without_draft"] = 0 if ks[b] > 0 else idle + 1
 

@@ -127,6 +127,19 @@ def test_exploration_only_when_optimism_could_pay():
     assert looks == 600 // (pol.explore_max + 1)
 
 
+def test_looks_that_cost_a_catch_up_back_off():
+    """A look whose draft must first consume the context (lag > 0) is dear: while looks keep
+    finding that drafting does not pay, their interval doubles every two looks (up to x16);
+    lag-free looks keep the plain interval."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(2.0e-3, 0, 0))  # pays above ~0.66 acceptance, not at 0.5
+    counts = {}
+    for lag in (0, 100):
+        pol, reqs = policy(), make_requests(1, rate=0.5, max_tokens=100000)
+        counts[lag] = sum(pol.plan(reqs, [4], c, catchup=[lag])[0] > 0 for _ in range(600))
+    assert counts[0] == 600 // (BudgetPolicy.explore_every + 1)
+    assert 6 <= counts[100] <= 10      # 16, 16, 32, 32, 64, 64, 128, 128 steps apart
+
+
 def test_plain_runs_keep_plain_steps_measured():
     """While every step drafts, the policy forces a short plain run now and then (soon at first)
     so the cost of a plain step stays measured."""
