@@ -110,6 +110,26 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median: order statistics x(k) .. x(n+1-k)
+    with the largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is still >= level. Returns
+    (low, high, coverage); with too few values for that level, the whole range and its coverage
+    (1 - 2^(1-n))."""
+    xs = sorted(x for x in xs if x == x)
+    n = len(xs)
+    if n == 0:
+        return float("nan"), float("nan"), 0.0
+    # [x(k), x(n+1-k)] covers the median with probability 1 - 2 P(B <= k-1)
+    cdf = 0.5 ** n
+    k, cov = 1, 1.0 - 2.0 * cdf
+    for j in range(1, (n + 1) // 2):
+        cdf += math.comb(n, j) * 0.5 ** n          # P(B <= j)
+        if 1.0 - 2.0 * cdf < level:
+            break
+        k, cov = j + 1, 1.0 - 2.0 * cdf
+    return xs[k - 1], xs[n - k], cov
+
+
 # ---------------------------------------------------------------------------------------- prompts
 
 def _heldout_files():
@@ -396,8 +416,13 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
         if base:
             # paired: each repeat's ratio (the modes of one repeat ran back to back, so slow
             # drifts of a shared machine cancel), then the median over repeats
-            v["speedup"] = _median([b / x for b, x in zip(base["seconds_all"], v["seconds_all"]) if x > 0]
-                                   or [float("nan")]) * (v["tokens"] / base["tokens"] if base["tokens"] else 1.0)
+            scale = v["tokens"] / base["tokens"] if base["tokens"] else 1.0
+            ratios = [b / x * scale for b, x in zip(base["seconds_all"], v["seconds_all"]) if x > 0]
+            v["speedup"] = _median(ratios or [float("nan")])
+            # how far the paired median can be trusted on this machine (see median_interval)
+            lo, hi, cov = median_interval(ratios)
+            v["speedup_interval"] = [lo, hi]
+            v["speedup_interval_coverage"] = cov
             v["speedup_of_medians"] = v["tokens_per_s"] / base["tokens_per_s"]
             v["identical_to_ar"] = v["token_ids"] == base["token_ids"]
     return res
@@ -727,6 +752,9 @@ class Bench:
             res[f"{m}_below_ar_beyond_noise_at"] = [B for B, r in out.items() if r[m]["speedup"] < 1.0 - tol[B]]
             res[f"{m}_never_below_ar"] = not viol
             res[f"{m}_never_below_ar_beyond_noise"] = not res[f"{m}_below_ar_beyond_noise_at"]
+            # the statistical reading: below AR where the ~95% interval of the paired median lies
+            # wholly under 1 (see median_interval); with few repeats the interval is wide
+            res[f"{m}_below_ar_significant_at"] = [B for B, r in out.items() if r[m]["speedup_interval"][1] < 1.0]
         return res
 
     def section_misaligned(self) -> dict:
@@ -1023,6 +1051,10 @@ def headline_table(res: dict) -> str:
         L.append("| batch size: speedup fixed / budget | " + ", ".join(
             f"B={b}: {_f(r['fixed']['speedup'])} / {_f(r['budget']['speedup'])}"
             for b, r in bt["by_batch_size"].items()) + " |")
+        if all("speedup_interval" in r["budget"] for r in bt["by_batch_size"].values()):
+            L.append("| budget policy (model): ~95% interval of the paired median | " + ", ".join(
+                f"B={b}: {_f(r['budget']['speedup_interval'][0])}-{_f(r['budget']['speedup_interval'][1])}"
+                for b, r in bt["by_batch_size"].items()) + " |")
         if "ngram_budget_never_below_ar" in bt:
             L.append("| batch size, n-gram drafter: speedup fixed / budget | " + ", ".join(
                 f"B={b}: {_f(r['ngram_fixed']['speedup'])} / {_f(r['ngram_budget']['speedup'])}"
@@ -1158,6 +1190,13 @@ def write_report(res: dict, out: Path, plots: list[str]) -> str:
                 verdict = (f"{label} fell below autoregressive at batch sizes {bt[f'{m}_below_ar_at']} (by more "
                            f"than 3% at {bt[f'{m}_below_ar_by_3pct_at'] or 'none'}; by more than this run's noise, "
                            f"max(2%, |1 - AR again/AR|), at {bt[f'{m}_below_ar_beyond_noise_at'] or 'none'})")
+            sig = bt.get(f"{m}_below_ar_significant_at")
+            if sig is not None:
+                ivs = ", ".join(f"B={b}: {_f(r[m]['speedup_interval'][0])}-{_f(r[m]['speedup_interval'][1])}"
+                                for b, r in bt["by_batch_size"].items())
+                cov = min(r[m].get("speedup_interval_coverage", 0.0) for r in bt["by_batch_size"].values())
+                verdict += (f". Interval of the paired median ({cov * 100:.0f}% coverage, order statistics): {ivs}; "
+                            f"wholly below 1 at {sig or 'none'}")
             L.append(f"Check: {verdict}.")
         L += ["",
               "AR again runs the same autoregressive engine a second time in the same run (modes in a seeded random "

@@ -3,6 +3,7 @@ every section runs with minimal settings and the JSON, markdown report and plots
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -58,6 +59,10 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
     assert set(bt["ar_vs_ar_noise"]) == set(bt["by_batch_size"])
     for m in ("budget", "ngram_budget"):
         assert set(bt[f"{m}_below_ar_beyond_noise_at"]) <= set(bt[f"{m}_below_ar_at"])
+        assert set(bt[f"{m}_below_ar_significant_at"]) <= set(bt[f"{m}_below_ar_at"])
+        for r in bt["by_batch_size"].values():
+            lo, hi = r[m]["speedup_interval"]
+            assert lo <= r[m]["speedup"] <= hi
     assert len(data["misaligned"]["cases"]) >= 2
     peer = data["peer"]
     assert "skipped" not in peer, peer
@@ -99,3 +104,22 @@ def test_cost_curve_tiny_cpu(tmp_path):
     e = data["by_batch"]["1"]
     assert e["c"] > 0 and set(e["v"]) == {"1", "2", "3"}
     assert (tmp_path / "cost_curve.md").is_file()
+
+
+def test_median_interval_order_statistics():
+    """The distribution-free interval of a median: the textbook order statistics and coverage
+    (n=9: x(2)..x(8), 96.1%; n=20: x(6)..x(15), 95.9%), the whole range below n=6, and it must
+    contain the true median of a skewed distribution in ~95% of samples."""
+    import random
+
+    from specrt.benchmarks import median_interval
+
+    assert median_interval(list(range(1, 10))) == (2, 8, pytest.approx(1 - 2 * 10 / 512))
+    assert median_interval(list(range(1, 21)))[:2] == (6, 15)
+    assert median_interval([3.0, 1.0, 2.0])[:2] == (1.0, 3.0)
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(2000):
+        lo, hi, _ = median_interval([rng.expovariate(1.0) for _ in range(15)])
+        hits += lo <= math.log(2) <= hi
+    assert 0.94 <= hits / 2000 <= 0.99
