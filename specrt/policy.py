@@ -181,15 +181,16 @@ class CostModel:
             del self.draft_samples[:-512]
 
     def _due(self, i: int) -> bool:
-        """Refit model i after 16 new samples, or a quarter of the fitted window once it is full
-        (a fit costs ~0.3 ms, a real share of a millisecond-scale step)."""
+        """Refit model i after 16 new samples at first, every quarter of the samples seen so far
+        up to 128 (half the fitted window of 256): a fit and the full plan it forces cost ~1.5 ms,
+        a real share of a millisecond-scale step."""
         n, at = self._added[i], self._fitted_at[i]
-        return n >= 4 and (at is None or n - at >= max(16, min(n, 256) // 4))
+        return n >= 4 and (at is None or n - at >= max(16, min(n, 512) // 4))
 
     def refit(self) -> None:
         """Refit whichever model has enough new samples (see ``_due``). ``fit_version`` moves
-        only when a refit changed a prediction on the recent samples by more than 1% (plans
-        built on the old fit stay valid otherwise)."""
+        only when a refit changed a prediction on the recent samples by more than 2% (plans
+        built on the old fit stay valid otherwise: decisions need a 10% predicted gain)."""
         if self._due(0):
             self._fitted_at[0] = self._added[0]
             v = np.array(self.verify_samples[-256:], dtype=float)
@@ -203,10 +204,10 @@ class CostModel:
                                                                                   optional=[1, 2]))
 
     def _bump(self, x, old, new):
-        if old is None or np.max(np.abs(x @ (new - old)) / np.maximum(x @ old, 1e-12)) > 0.01:
+        if old is None or np.max(np.abs(x @ (new - old)) / np.maximum(x @ old, 1e-12)) > 0.02:
             self.fit_version += 1
             return new
-        return old      # within 1% everywhere: keep the fit the plans were built on
+        return old      # within 2% everywhere: keep the fit the plans were built on
 
     @property
     def has_draft_fit(self) -> bool:
