@@ -195,7 +195,8 @@ def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
 def test_ngram_index_equals_the_scan(sizes):
     """The n-gram drafter's per-request index (extended as the context grows) proposes exactly
     what a scan of the whole context finds, for growing contexts, any k, small and large
-    vocabularies (many and few matches), and rebuilds when the context is not an extension."""
+    vocabularies (many and few matches), and rebuilds when the context got shorter or its
+    last indexed token changed (a regenerated tail)."""
     import random
 
     from specrt.drafters import NgramProposer
@@ -210,8 +211,11 @@ def test_ngram_index_equals_the_scan(sizes):
             k = rnd.randrange(0, 6)
             assert prop.propose(ctx, k, state) == prop._scan(ctx, k), (ctx, k)
             ctx = ctx + [rnd.randrange(vocab) for _ in range(rnd.randrange(0, 4))]
-        other = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, len(ctx) + 3))]
-        assert prop.propose(other, 3, state) == prop._scan(other, 3)
+        shorter = ctx[:rnd.randrange(1, len(ctx) + 1)]
+        assert prop.propose(shorter, 3, state) == prop._scan(shorter, 3)
+        changed = shorter[:-2] + [vocab] + [rnd.randrange(vocab)]   # token `vocab` never seen before
+        if len(changed) >= 2:
+            assert prop.propose(changed, 3, state) == prop._scan(changed, 3)
 
 
 def test_speculation_actually_accepts(pair):

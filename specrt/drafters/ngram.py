@@ -28,15 +28,17 @@ class NgramProposer:
     def propose(self, context: list[int], k: int, state: dict | None = None) -> list[int]:
         """Up to k tokens following the latest earlier match of the last n tokens.
         ``state``: a dict owned by the request whose growing context this is (kept between
-        calls; a context that is not an extension of the indexed one rebuilds the index: the
-        check is one list comparison, microseconds)."""
+        calls). The context must grow by appending; one that got shorter, or whose first, middle
+        or last indexed token changed, rebuilds the index (spot checks, O(1): a full comparison
+        would cost more than the proposal at long contexts). An unrelated context needs its own
+        state."""
         if k <= 0:
             return []
         if state is None:
             return self._scan(context, k)
         length = len(context)
         idx = state.get("ngram")
-        if idx is None or context[:len(idx.tokens)] != idx.tokens:
+        if idx is None or not self._extends(context, idx.tokens):
             idx = state["ngram"] = _Index(self.min_n, self.max_n)
         # index every n-gram that ends before the last position (the suffix itself is not a match)
         end = length - 1
@@ -52,6 +54,15 @@ class NgramProposer:
             if start is not None:
                 return context[start + n:start + n + k]
         return []
+
+    @staticmethod
+    def _extends(context: list[int], tokens: list[int]) -> bool:
+        n = len(tokens)
+        if n == 0:
+            return True
+        if len(context) <= n:     # the index holds n-grams ending before len(tokens) + 1
+            return False
+        return context[0] == tokens[0] and context[n // 2] == tokens[n // 2] and context[n - 1] == tokens[n - 1]
 
     def _scan(self, context: list[int], k: int) -> list[int]:
         """The stateless reference: scan back for the latest earlier occurrence."""
