@@ -291,6 +291,7 @@ class BudgetPolicy(DraftPolicy):
         # per-position acceptance (an n-gram match that survives its first token tends to go on)
         self._depth_tried = np.zeros(spec.max_draft_length + 1)
         self._depth_acc = np.zeros(spec.max_draft_length + 1)
+        self._depth_profile = None          # cached depth_profile(), reset by observe
 
     def observe(self, request, drafted: int, accepted: int) -> None:
         super().observe(request, drafted, accepted)
@@ -315,7 +316,7 @@ class BudgetPolicy(DraftPolicy):
         positions before it were accepted, over the pooled overall rate, each position shrunk
         towards the overall rate by ``prior_weight`` outcomes (all ones without evidence). A
         request's acceptance at position i is then its own rate times factor[i]."""
-        prof = getattr(self, "_depth_profile", None)
+        prof = self._depth_profile
         if prof is None:
             tried, acc = self._depth_tried, self._depth_acc
             total = float(tried[1:].sum())
@@ -475,9 +476,7 @@ class BudgetPolicy(DraftPolicy):
         request whose cap grew (an n-gram match appeared), is priced afresh, by the same formulas
         as the full plan (``_tables``). Requests that left take their surplus with them."""
         n = len(requests)
-        D = off["depths"]
-        if max(caps) >= D:
-            return None
+        D = off["depths"]          # max_draft_length + 1: every cap fits
         per_verify, d_fwd, d_fwd1, d_tok, d_ctx = off["coefs"]
         ctx = float(sum(r.context_len for r in requests))
         t_ar = costs.verify_time(n, ctx, drafted=False, requests=n)
