@@ -289,9 +289,11 @@ class LLMEngine:
         return max(0, min(self.spec.max_draft_length, remaining, room))
 
     def _plan(self, batch: list[Request]) -> list[int]:
-        caps = [self._k_cap(r) for r in batch]
         if not self.speculative:
-            return caps
+            return [0] * len(batch)
+        if self._forced_k is None and self.draft_kind != "ngram" and self.policy.dormant(len(batch)):
+            return [0] * len(batch)        # an off policy skipping its plan (BudgetPolicy.dormant)
+        caps = [self._k_cap(r) for r in batch]
         if self.draft_kind == "ngram":
             # n-gram proposals cost microseconds: compute them now, so every policy knows which
             # requests have one and how long (the drafts below are their prefixes)

@@ -38,6 +38,11 @@ class DraftPolicy:
         before it can draft (its draft KV's lag); only the budget policy prices it."""
         return [max(min(self.spec.max_draft_length, cap), 0) for cap in k_caps]
 
+    def dormant(self, num_requests: int) -> bool:
+        """True: this step drafts nothing and the engine need not plan it at all (see
+        BudgetPolicy.dormant); the policies that always draft never are."""
+        return False
+
     def should_stop(self, request, depth: int, draft_prob: float, p_accept: float | None) -> bool:
         return False
 
@@ -273,6 +278,7 @@ class BudgetPolicy(DraftPolicy):
     track_forget = 0.998  # per step of the other kind (half-life ~350 steps)
     optimism = 0.25
     depth_decay = 0.998  # per drafted outcome, of the pooled per-position acceptance counts
+    dormant_max = 16    # while off, at most this many steps in a row skip planning (see dormant)
 
     def __init__(self, spec: SpecConfig):
         super().__init__(spec)
@@ -292,6 +298,11 @@ class BudgetPolicy(DraftPolicy):
         self._depth_tried = np.zeros(spec.max_draft_length + 1)
         self._depth_acc = np.zeros(spec.max_draft_length + 1)
         self._depth_profile = None          # cached depth_profile(), reset by observe
+        self._off_streak = 0                # checked steps in a row that kept speculation off
+        self._sleep = 0                     # steps left that skip planning (see dormant)
+        self._sleep_n = 0                   # the batch size when they were granted
+        self._slept = 0                     # steps skipped since the last plan
+        self._clock = 0                     # steps planned or slept ("seen": a request's first)
 
     def observe(self, request, drafted: int, accepted: int) -> None:
         super().observe(request, drafted, accepted)
@@ -334,7 +345,55 @@ class BudgetPolicy(DraftPolicy):
         requests (0.7 until 32 outcomes are known)."""
         return sum(self._pooled) / len(self._pooled) if len(self._pooled) >= 32 else 0.7
 
+    def dormant(self, num_requests: int) -> bool:
+        """Whether this step may skip planning: K=0 for everyone without looking.
+
+        While off, a plan is a few scalar sums, but at batch 1-16 on a CPU that was still ~1-1.5%
+        of a step (50-170 us of 4-14 ms: newcomers priced, refits checked, idle counters), the
+        whole gap between an off policy and autoregressive decoding. So an off verdict that held
+        at s checked steps in a row lets the next min(s // 2, dormant_max) steps skip planning.
+        What can make drafting pay while asleep: a batch down by a quarter (a verify is cheaper
+        per token of throughput; one request less of 16 is no news, and under continuous
+        batching a batch shrinks by ones all through its tail) wakes it at once; a newcomer that
+        would pay waits for the next check, at most dormant_max steps. The steps slept still count for exploration (idle counters), the
+        overdue look and the off verdict's age (see plan), so those keep their schedule in steps.
+        Only for drafters whose caps do not come and go (not n-gram: a match appearing is the
+        news, and finding it is the plan's own cost)."""
+        if self._sleep <= 0:
+            return False
+        if num_requests < self._sleep_n and 4 * (self._sleep_n - num_requests) >= self._sleep_n:
+            self._sleep = 0
+            return False
+        self._clock += 1
+        self._sleep -= 1
+        self._slept += 1
+        self._tracked = None
+        return True
+
     def plan(self, requests, k_caps, costs=None, catchup=None):
+        slept, self._slept, self._sleep = self._slept, 0, 0
+        if slept:
+            self._since_drafted += slept
+            if self._off is not None:
+                self._off["age"] += slept
+            for r in requests:      # (a newcomer was not there for all of them)
+                st = r.policy_state
+                st["steps_without_draft"] = (st.get("steps_without_draft", 0)
+                                             + min(slept, self._clock - st.get("seen", self._clock)))
+        self._clock += 1
+        for r in requests:
+            r.policy_state.setdefault("seen", self._clock)
+        out = self._plan_step(requests, k_caps, costs, catchup)
+        if self._off is not None:        # the verdict was off (a look may have been added)
+            self._off_streak += 1
+            # a look's outcome is news: the step after it plans
+            self._sleep = 0 if any(out) else min(self._off_streak // 2, self.dormant_max)
+            self._sleep_n = len(requests)
+        else:
+            self._off_streak = 0
+        return out
+
+    def _plan_step(self, requests, k_caps, costs=None, catchup=None):
         costs = costs or CostModel()
         costs.refit()
         n = len(requests)

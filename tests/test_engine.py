@@ -191,6 +191,38 @@ def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
             assert c == len(prop.propose(ids, max(0, min(4, remaining))))
 
 
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_a_dormant_policy_is_not_asked_to_plan(pair, ar_greedy, draft):
+    """A step the policy sleeps through (BudgetPolicy.dormant) drafts nothing and skips the plan
+    (no caps, no catch-up sums); the output stays autoregressive. The n-gram drafter's caps come
+    and go every step, so an n-gram engine plans every step and never asks."""
+    tdir, ddir = pair
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir) if draft == "model" else "ngram",
+                      spec=SpecConfig(policy="budget", max_draft_length=4), seed=0)
+    eng = llm_.engine
+    asked, planned, drafted = [], [], []
+    plan, caps = eng.policy.plan, eng._k_cap
+
+    def dormant(n):
+        asked.append(n)
+        return len(asked) % 3 != 0          # two steps of three asleep
+
+    def spy(reqs, k_caps, costs=None, catchup=None):
+        planned.append(len(asked))
+        return plan(reqs, k_caps, costs, catchup)
+
+    def spy_cap(r):
+        drafted.append(len(asked))
+        return caps(r)
+    eng.policy.dormant, eng.policy.plan, eng._k_cap = dormant, spy, spy_cap
+    assert tokens(llm_.generate(PROMPTS[:4], GREEDY)) == ar_greedy[:4]
+    if draft == "ngram":
+        assert not asked and planned
+    else:
+        assert asked and all(a % 3 == 0 for a in planned) and len(planned) == len(asked) // 3
+        assert set(drafted) <= set(planned)
+
+
 @pytest.mark.parametrize("sizes", [(1, 4), (2, 3), (1, 1)])
 def test_ngram_index_equals_the_scan(sizes):
     """The n-gram drafter's per-request index (extended as the context grows) proposes exactly

@@ -212,6 +212,65 @@ def test_off_verdict_survives_churn_only_while_it_holds():
     assert max(pol.plan(reqs[:1], [4], c)) > 0
 
 
+def _serve(pol, batch_at, caps_at, c, steps: int):
+    """The engine's loop: each step either sleeps (BudgetPolicy.dormant) or plans. Returns the
+    steps that planned and each step's K."""
+    planned, ks = [], []
+    for step in range(steps):
+        reqs = batch_at(step)
+        if pol.dormant(len(reqs)):
+            ks.append([0] * len(reqs))
+        else:
+            planned.append(step)
+            ks.append(pol.plan(reqs, caps_at(step, reqs), c))
+    return planned, ks
+
+
+def test_an_off_policy_sleeps_but_not_through_news():
+    """While speculation stays off, planning is skipped for longer and longer stretches (up to
+    dormant_max steps); a batch down by a quarter wakes it at once (verification got cheaper),
+    and a newcomer whose drafts pay is drafting within dormant_max + 1 steps of arriving."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(2.0e-3, 0, 0))   # pays above ~0.66 acceptance
+    pol = policy()
+    pol.explore_every = pol.explore_max = 10 ** 9
+    reqs = make_requests(8, rate=0.3, max_tokens=100000)
+    planned, ks = _serve(pol, lambda s: reqs, lambda s, r: [4] * len(r), c, 400)
+    assert not any(map(any, ks))
+    gaps = np.diff(planned)
+    assert gaps.max() == pol.dormant_max + 1 and len(planned) < 400 / 8
+    # asleep: one request less of eight is no news, two less is
+    assert pol._sleep > 0 and pol.dormant(7)
+    assert not pol.dormant(6) and pol._sleep == 0
+    # newcomers that make drafting pay, arriving at every phase of a sleep
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(5e-4, 0, 0))
+    reqs = make_requests(4, rate=0.2, max_tokens=100000)
+    good = make_requests(2, rate=0.95, max_tokens=100000)
+    for i, g in enumerate(good):
+        g.request_id = f"good{i}"
+    assert policy().plan(reqs, [4] * 4, c) == [0] * 4 and min(policy().plan(reqs + good, [4] * 6, c)[4:]) > 0
+    for arrive in range(400, 400 + pol.dormant_max + 2):
+        pol = policy()
+        pol.explore_every = pol.explore_max = 10 ** 9
+        planned, ks = _serve(pol, lambda s: reqs + (good if s >= arrive else []), lambda s, r: [4] * len(r), c,
+                             arrive + pol.dormant_max + 2)
+        assert np.diff([p for p in planned if p < arrive]).max() == pol.dormant_max + 1   # it was asleep
+        first = next(s for s, k in enumerate(ks) if any(k))
+        assert arrive <= first <= arrive + pol.dormant_max and min(ks[first][4:]) > 0, arrive
+
+
+def test_sleeping_keeps_exploration_in_steps():
+    """Steps slept count as idle steps: a request that is only explored (drafting does not pay
+    at its measured acceptance) is looked at about as often in steps as without sleeping."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(2.0e-3, 0, 0))
+    reqs = make_requests(1, rate=0.5, max_tokens=100000)
+    pol = policy()
+    planned, ks = _serve(pol, lambda s: reqs, lambda s, r: [4], c, 1200)
+    looks = [s for s, k in enumerate(ks) if k[0]]
+    assert len(planned) < 1200 / 3
+    # without sleeping: one look per explore_every + 1 steps; a look may wait for the next check
+    assert 1200 // (pol.explore_every + 1 + pol.dormant_max) <= len(looks) <= 1200 // (pol.explore_every + 1)
+
+
 def test_newcomer_row_matches_the_full_plan_tables():
     """The off state prices a newcomer in plain Python: it must equal the full plan's numpy
     tables (surplus over the threshold at each depth, and the cost reached)."""
