@@ -226,6 +226,48 @@ def _serve(pol, batch_at, caps_at, c, steps: int):
     return planned, ks
 
 
+def test_a_vetoing_correction_is_re_measured():
+    """Drafted steps delivered badly for a while (a slow stretch of a shared host): the measured
+    correction vetoes plans the costs say pay. Every recheck_every steps one such plan runs and
+    is tracked, so when drafted steps deliver again drafting is back within a recheck, not after
+    the evidence fades; while they keep delivering badly, one drafted step per recheck_every.
+    A plan that needs a catch-up is never run as a re-check."""
+    c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(1e-3, 0, 0))
+    for good_after in (None, 200):
+        pol, reqs = policy(), make_requests(2, rate=0.8)
+        pol.explore_every = pol.explore_max = 10 ** 9
+        drafted = []
+        for step in range(400):
+            ks = pol.plan(reqs, [4, 4], c)
+            drafted.append(any(ks))
+            if pol._tracked:
+                kind, tokens, secs, _ = pol._tracked
+                bad = kind and (good_after is None or step < good_after)
+                pol.step_done(emitted=tokens * (0.4 if bad else 1.0), seconds=secs)
+        late = drafted[100:200]
+        assert 100 // pol.recheck_every - 1 <= sum(late) <= 100 // pol.recheck_every + 1, sum(late)
+        if good_after is None:
+            assert sum(drafted[200:]) <= 200 // pol.recheck_every + 1
+        else:
+            back = drafted[good_after:].index(True)
+            assert back <= pol.recheck_every and sum(drafted[good_after + back + 60:]) >= 100
+    # the same veto with a lagging draft: exactly the steps a policy without re-checks drafts
+    # (the pessimism fading back to the margin now and then)
+    runs = []
+    for every in (BudgetPolicy.recheck_every, 10 ** 9):
+        pol, reqs = policy(), make_requests(2, rate=0.8)
+        pol.explore_every = pol.explore_max = 10 ** 9
+        pol.recheck_every = every
+        runs.append([])
+        for step in range(300):
+            ks = pol.plan(reqs, [4, 4], c, catchup=[0, 0] if step < 20 else [50, 50])
+            runs[-1].append(any(ks))
+            if pol._tracked:
+                kind, tokens, secs, _ = pol._tracked
+                pol.step_done(emitted=tokens * (0.4 if kind else 1.0), seconds=secs)
+    assert runs[0] == runs[1] and sum(runs[0][100:]) <= 200 // BudgetPolicy.recheck_every
+
+
 def test_an_off_policy_sleeps_but_not_through_news():
     """While speculation stays off, planning is skipped for longer and longer stretches (up to
     dormant_max steps); a batch down by a quarter wakes it at once (verification got cheaper),
