@@ -63,6 +63,10 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
         for r in bt["by_batch_size"].values():
             lo, hi = r[m]["speedup_interval"]
             assert lo <= r[m]["speedup"] <= hi
+        pooled = bt[f"{m}_pooled"]      # every batch size's paired ratios together
+        assert pooled["n"] == sum(len(r[m]["speedup_ratios"]) for r in bt["by_batch_size"].values()) >= 2
+        assert pooled["interval"][0] <= pooled["speedup"] <= pooled["interval"][1]
+    assert "Pooled over every batch size" in (out / "report.md").read_text()
     assert len(data["misaligned"]["cases"]) >= 2
     peer = data["peer"]
     assert "skipped" not in peer, peer
