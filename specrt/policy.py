@@ -358,8 +358,9 @@ class BudgetPolicy(DraftPolicy):
         What can make drafting pay while asleep: a batch down by a quarter (a verify is cheaper
         per token of throughput; one request less of 16 is no news, and under continuous
         batching a batch shrinks by ones all through its tail) wakes it at once; a newcomer that
-        would pay waits for the next check, at most dormant_max steps. The steps slept still count for exploration (idle counters), the
-        overdue look and the off verdict's age (see plan), so those keep their schedule in steps.
+        would pay waits for the next check, at most dormant_max steps. The steps slept still
+        count for exploration (idle counters), the overdue look and the off verdict's age (see
+        plan), so those keep their schedule in steps.
         Only for drafters whose caps do not come and go (not n-gram: a match appearing is the
         news, and finding it is the plan's own cost)."""
         if self._sleep <= 0:
