@@ -340,6 +340,59 @@ def test_newcomer_row_matches_the_full_plan_tables():
         assert np.allclose(reach, np.maximum.accumulate(np.where(within, c[0], 0.0)), rtol=1e-9, atol=1e-15)
 
 
+def test_plan_finds_the_best_allocation():
+    """The plan's throughput search (Dinkelbach rounds over every depth at once) against brute
+    force: over every K per request within [min_draft_length, cap], the best predicted tokens /
+    step time from the plan's own price tables, with the step's fixed costs (a draft forward per
+    depth, the drafted-step jump). Random costs, rates, caps, catch-ups and floors."""
+    import itertools
+
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(150):
+        n = int(rng.integers(1, 6))
+        K = int(rng.integers(1, 5))
+        c = costs(verify=(3e-3, float(rng.uniform(0, 4e-4)), float(rng.uniform(0, 2e-6)), float(rng.uniform(0, 3e-3)),
+                          float(rng.uniform(0, 1e-3))),
+                  draft=(float(rng.uniform(1e-5, 2e-3)), float(rng.uniform(0, 4e-5)), float(rng.uniform(0, 1e-7))))
+        pol = policy(k=K, min_draft_length=int(rng.integers(0, 2)))
+        pol.explore_every = pol.explore_max = 10 ** 9
+        reqs = []
+        for i in range(n):
+            r = make_requests(1, rate=float(rng.uniform(0.05, 0.98)), prompt=int(rng.integers(20, 400)),
+                              max_tokens=int(rng.integers(8, 300)))[0]
+            r.request_id = f"b{i}"
+            reqs.append(r)
+        caps = [int(rng.integers(0, K + 1)) for _ in range(n)]
+        lag = [int(rng.choice([0, 0, 120])) for _ in range(n)]
+        seen = {}
+        tables = pol._tables
+
+        def spy(*a, **kw):
+            out = tables(*a, **kw)
+            seen.setdefault("t", out)
+            return out
+        pol._tables = spy
+        pol.plan(reqs, caps, c, catchup=lag)
+        if "t" not in seen:
+            continue
+        gains, cost = seen["t"]
+        ctx = float(sum(r.context_len for r in reqs))
+        t_ar = c.verify_time(n, ctx, drafted=False, requests=n)
+        jump = max(c.verify_time(n, ctx, drafted=True, requests=n) - t_ar, 0.0)
+        d_fwd = c.draft_coefs(n, ctx)[0]
+        floor = [min(pol.spec.min_draft_length, cap) for cap in caps]
+        best = 0.0
+        for choice in itertools.product(*[range(f, cap + 1) for f, cap in zip(floor, caps)]):
+            depth = max(choice)
+            g = n + sum(gains[b, k] for b, k in enumerate(choice))
+            t = t_ar + sum(cost[b, k] for b, k in enumerate(choice)) + d_fwd * depth + (jump if depth else 0.0)
+            best = max(best, g / max(t, 1e-12))
+        assert pol.last_prediction[0] == pytest.approx(best, rel=1e-9), trial
+        checked += 1
+    assert checked > 100
+
+
 def test_min_draft_length_and_caps_are_respected():
     c = costs(verify=(3e-3, 5e-5, 0, 0), draft=(3e-3, 0, 0))        # off on its own
     pol = policy(min_draft_length=2)
