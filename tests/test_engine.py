@@ -228,12 +228,20 @@ def test_ngram_index_equals_the_scan(sizes):
     """The n-gram drafter's per-request index (extended as the context grows) proposes exactly
     what a scan of the whole context finds, for growing contexts, any k, small and large
     vocabularies (many and few matches), and rebuilds when the context got shorter or its
-    last indexed token changed (a regenerated tail)."""
+    last indexed token changed (a regenerated tail). It reports the length of the suffix it
+    matched (state["match_n"], 0 without a match)."""
     import random
 
     from specrt.drafters import NgramProposer
 
     prop = NgramProposer(*sizes)
+
+    def match_len(ctx):       # the longest suffix (min_n..max_n) that occurs earlier, 0 if none
+        L = len(ctx)
+        for n in range(min(prop.max_n, L - 1), prop.min_n - 1, -1):
+            if any(ctx[s:s + n] == ctx[L - n:] for s in range(L - n)):
+                return n
+        return 0
     rnd = random.Random(sum(sizes))
     for _ in range(150):
         vocab = rnd.choice([2, 3, 5, 50])
@@ -242,6 +250,8 @@ def test_ngram_index_equals_the_scan(sizes):
         for _ in range(40):
             k = rnd.randrange(0, 6)
             assert prop.propose(ctx, k, state) == prop._scan(ctx, k), (ctx, k)
+            if k:    # the match length the budget policy pools acceptance by
+                assert state["match_n"] == match_len(ctx), ctx
             ctx = ctx + [rnd.randrange(vocab) for _ in range(rnd.randrange(0, 4))]
         shorter = ctx[:rnd.randrange(1, len(ctx) + 1)]
         assert prop.propose(shorter, 3, state) == prop._scan(shorter, 3)

@@ -166,9 +166,10 @@ def test_off_fast_path_decides_like_a_full_plan():
 
 
 def test_off_verdict_survives_churn_only_while_it_holds():
-    """Requests come and go (continuous batching) and n-gram caps flicker: while speculation is
-    off the policy re-checks only newcomers (bounds for the rest), and must still decide exactly
-    like a full plan from scratch at every step, drafting as soon as a newcomer makes it pay."""
+    """Requests come and go (continuous batching), n-gram caps and match classes flicker: while
+    speculation is off the policy re-checks only newcomers and changed requests (bounds for the
+    rest), and must still decide exactly like a full plan from scratch at every step, drafting as
+    soon as a newcomer makes it pay."""
     rng = np.random.default_rng(3)
     fast = slow = 0
     for trial in range(12):
@@ -176,6 +177,8 @@ def test_off_verdict_survives_churn_only_while_it_holds():
                   draft=(float(rng.uniform(4e-4, 2.5e-3)), float(rng.uniform(0, 2e-5)), 0))
         pol = policy()
         pol.explore_every = pol.explore_max = 10 ** 9     # exploration aside: the plan alone
+        classes = {1: [200.0, 30.0], 4: [200.0, 190.0]}   # pooled acceptance by match length
+        pol._class_counts = {k: list(v) for k, v in classes.items()}
         calls = {"fast": 0}
         still = pol._still_off
 
@@ -198,8 +201,12 @@ def test_off_verdict_survives_churn_only_while_it_holds():
             live = live[-12:]
             caps = [int(rng.choice([0, 2, 4])) for _ in live]
             lag = [int(rng.choice([0, 0, 150])) for _ in live]
+            for r, cap in zip(live, caps):
+                r.drafter_state["match_n"] = int(rng.choice([1, 4])) if cap else 0
             got = pol.plan(live, caps, c, catchup=lag)
-            want = policy().plan(live, caps, c, catchup=lag)
+            fresh = policy()
+            fresh._class_counts = {k: list(v) for k, v in classes.items()}
+            want = fresh.plan(live, caps, c, catchup=lag)
             assert got == want, (trial, step)
         fast += calls["fast"]
         slow += 60 - calls["fast"]
@@ -224,6 +231,27 @@ def _serve(pol, batch_at, caps_at, c, steps: int):
             planned.append(step)
             ks.append(pol.plan(reqs, caps_at(step, reqs), c))
     return planned, ks
+
+
+def test_acceptance_by_evidence_class():
+    """The n-gram drafter reports how long a suffix matched; outcomes are pooled per match length
+    and a request's expected acceptance leans on its current class: after 4-token matches were
+    accepted 90% of the time and 1-token matches 15%, a fresh request with a 4-token match drafts
+    deeper than one with a 1-token match (without the classes both would look the same)."""
+    c = costs(verify=(3e-3, 2e-4, 0, 0), draft=(1e-6, 0, 0))
+    pol = policy()
+    feed = make_requests(2, rate=0.5)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        for r, cls, acc in ((feed[0], 4, 4 if rng.random() < 0.9 ** 4 else 1), (feed[1], 1, 0)):
+            r.drafter_state["match_n"] = cls
+            pol.observe(r, 4, acc)
+    strong, weak = make_requests(2, rate=0.5, history=0)
+    strong.drafter_state["match_n"], weak.drafter_state["match_n"] = 4, 1
+    ks = pol.plan([strong, weak], [4, 4], c)
+    assert ks[0] > ks[1], ks
+    weak.drafter_state["match_n"] = 4      # the same request, now after a long match
+    assert pol.plan([strong, weak], [4, 4], c)[1] == ks[0]
 
 
 def test_a_vetoing_correction_is_re_measured():

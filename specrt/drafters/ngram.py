@@ -52,7 +52,9 @@ class NgramProposer:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = idx.latest[n].get(tuple(context[length - n:]))
             if start is not None:
+                state["match_n"] = n      # how long a suffix matched: the budget policy's evidence class
                 return context[start + n:start + n + k]
+        state["match_n"] = 0
         return []
 
     @staticmethod
