@@ -280,6 +280,7 @@ class BudgetPolicy(DraftPolicy):
     optimism = 0.25
     depth_decay = 0.998  # per drafted outcome, of the pooled per-position acceptance counts
     class_decay = 0.998  # per outcome, of the pooled counts per evidence class (see _rate)
+    small_batch = 8     # up to this many requests the plan's search runs in plain Python (faster there)
     dormant_max = 16    # while off, at most this many steps in a row skip planning (see dormant)
     recheck_every = 32  # steps between drafted steps taken to re-measure a vetoing correction
 
@@ -469,14 +470,10 @@ class BudgetPolicy(DraftPolicy):
                 return out
         self._off = None
 
-        caps_a = np.array(caps)
-        floor = np.minimum(self.spec.min_draft_length, caps_a)
-        kmax = int(caps_a.max())
+        floor = [min(self.spec.min_draft_length, c) for c in caps]
+        kmax = max(caps)
         prior = self._prior()
-        rates = np.array([self._rate(r, prior) for r in requests])
-        ctxs = np.array([r.context_len for r in requests], dtype=float)
-        left = np.array([max(r.params.max_tokens - r.num_generated, 1) for r in requests], dtype=float)
-        ctx = float(ctxs.sum())
+        ctx = float(sum(r.context_len for r in requests))
         t_ar = costs.verify_time(n, ctx, drafted=False, requests=n)
         t_drafted = costs.verify_time(n, ctx, drafted=True, requests=n)
         per_verify = max(costs.verify_time(n + 1, ctx, drafted=True, requests=n) - t_drafted, 0.0)
@@ -484,49 +481,12 @@ class BudgetPolicy(DraftPolicy):
         d_fwd1 = max(t_drafted - t_ar, 0.0)    # a step that drafts at all pays this once
         margin = self._margin(costs, d_fwd, d_tok, t_ar, n)
 
-        ks = np.arange(kmax + 1)
-        fill = np.array([r.policy_state.get("fill", self._fill) for r in requests])
-        prof = self.depth_profile()[:kmax + 1]
-        gains, cost = self._tables(np.minimum(rates[:, None] * prof[None, :], 0.99), ks, per_verify + d_tok + d_ctx * ctxs,
-                                   d_tok * np.array(lag, float), left, fill)
-        rows = np.arange(n)
-
-        def tokens_time(choice):
-            depth = int(choice.max())
-            g = n + gains[rows, choice].sum()
-            return float(g), float(max(t_ar + cost[rows, choice].sum() + d_fwd * depth + (d_fwd1 if depth else 0.0),
-                                       1e-12))
-
-        def value(choice):
-            g, t = tokens_time(choice)
-            return g / t
-
-        best_ks = floor.copy()
-        best = plain = value(floor)
-        lo = max(int(floor.max()), 1)
-        if kmax >= lo:
-            # every depth d at once ([D, n, K+1]; a planning step while drafting was ~5% of a
-            # CPU step with one depth at a time): Dinkelbach rounds, each the best allocation
-            # per request at that depth's throughput lam_d, until no depth improves
-            depths = np.arange(lo, kmax + 1)
-            limit = np.minimum(caps_a[None, :], depths[:, None])
-            allowed = (ks[None, None, :] >= floor[None, :, None]) & (ks[None, None, :] <= limit[:, :, None])
-            lam = np.full(len(depths), best)
-            live = np.ones(len(depths), dtype=bool)
-            for _ in range(6):
-                choice = np.where(allowed, gains[None] - lam[:, None, None] * cost[None], -np.inf).argmax(2)
-                deep = choice.max(1)
-                g = n + gains[rows, choice].sum(1)
-                t = np.maximum(t_ar + cost[rows, choice].sum(1) + d_fwd * deep + np.where(deep > 0, d_fwd1, 0.0),
-                               1e-12)
-                val = g / t
-                live &= val > lam * (1 + 1e-9)
-                if not live.any():
-                    break
-                lam = np.where(live, val, lam)
-                j = int(np.argmax(np.where(live, val, -np.inf)))
-                if val[j] > best * (1 + 1e-9):
-                    best, best_ks = float(val[j]), choice[j].copy()
+        if n <= self.small_batch:
+            best, best_ks, plain, tokens_time, off_rows = self._search_small(
+                requests, caps, floor, lag, prior, t_ar, per_verify, d_fwd, d_fwd1, d_tok, d_ctx)
+        else:
+            best, best_ks, plain, tokens_time, off_rows = self._search(
+                requests, caps, floor, lag, prior, t_ar, per_verify, d_fwd, d_fwd1, d_tok, d_ctx)
         # what past steps delivered against what was predicted for them (log ratio, per kind)
         # corrects what the fit misses, e.g. acceptance that is not independent per position
         drafted_pred = best
@@ -536,7 +496,7 @@ class BudgetPolicy(DraftPolicy):
         # steps to revise it: without re-measuring it would last until the evidence fades
         # (hundreds of steps). So every recheck_every steps one such plan runs and is tracked;
         # only plans without a catch-up (a look at a lagging draft costs its whole context)
-        vetoed = (best >= plain * (1.0 + margin) and bool(best_ks.any())
+        vetoed = (best >= plain * (1.0 + margin) and any(best_ks)
                   and not any(lag[b] for b in range(n) if best_ks[b]))
         recheck = vetoed and self._since_tracked_draft >= self.recheck_every
         if best < self._threshold(plain, n, margin) and not recheck:
@@ -557,24 +517,117 @@ class BudgetPolicy(DraftPolicy):
             # of that depth; the step drafts only if the surplus of all requests beats those fixed
             # costs (see _still_off)
             lam = self._threshold(plain, n, margin)
-            K = self.spec.max_draft_length
-            if kmax < K:     # rows over every depth a later cap may reach (caps shrink, newcomers come)
-                ks = np.arange(K + 1)
-                gains, cost = self._tables(np.minimum(rates[:, None] * self.depth_profile()[None, :], 0.99), ks,
-                                           per_verify + d_tok + d_ctx * ctxs, d_tok * np.array(lag, float), left, fill)
-            net = np.where(ks[None, :] <= caps_a[:, None], gains - lam * cost, -np.inf)
-            surplus = np.maximum.accumulate(np.maximum(net, 0.0), axis=1)
-            reach = np.maximum.accumulate(np.where(ks[None, :] <= caps_a[:, None], cost, 0.0), axis=1)
+            rows = off_rows(lam)
             self._off = {"costs": costs, "fit": costs.fit_version, "age": 1, "lam": best, "prices": prices,
                          "margin": margin, "vetoed": vetoed,
-                         "coefs": (per_verify, d_fwd, d_fwd1, d_tok, d_ctx), "depths": K + 1,
-                         "rows": {(r.request_id, id(r), r.drafter_state.get("match_n")):
-                                  (caps[b], lam, surplus[b].tolist(), reach[b].tolist())
-                                  for b, r in enumerate(requests)}}
+                         "coefs": (per_verify, d_fwd, d_fwd1, d_tok, d_ctx), "depths": self.spec.max_draft_length + 1,
+                         "rows": {(r.request_id, id(r), r.drafter_state.get("match_n")): row
+                                  for r, row in zip(requests, rows)}}
         self._explore(requests, out, caps, lag, best, prices, costs.has_draft_fit)
         if any(out) != drafts:
             self._tracked = None              # an exploration step: not what was predicted
         return out
+
+    def _search(self, requests, caps, floor, lag, prior, t_ar, per_verify, d_fwd, d_fwd1, d_tok, d_ctx):
+        """The plan's search: the allocation of draft tokens with the best predicted throughput,
+        (n + expected accepted) / step time. Returns (best, its K per request, plain decoding's
+        throughput, tokens_time(choice) -> (tokens, seconds), off_rows(lam) -> each request's
+        (cap, lam, surplus, cost) rows for the off state). Every depth d at once ([D, n, K+1]):
+        Dinkelbach rounds, each the best allocation per request at that depth's throughput
+        lam_d, until no depth improves."""
+        n = len(requests)
+        caps_a, floor_a = np.array(caps), np.array(floor)
+        kmax = int(caps_a.max())
+        rates = np.array([self._rate(r, prior) for r in requests])
+        ctxs = np.array([r.context_len for r in requests], dtype=float)
+        left = np.array([max(r.params.max_tokens - r.num_generated, 1) for r in requests], dtype=float)
+        fill = np.array([r.policy_state.get("fill", self._fill) for r in requests])
+        ks = np.arange(self.spec.max_draft_length + 1)    # every depth: the off rows need them all
+        gains, cost = self._tables(np.minimum(rates[:, None] * self.depth_profile()[None, :], 0.99), ks,
+                                   per_verify + d_tok + d_ctx * ctxs, d_tok * np.array(lag, float), left, fill)
+        rows = np.arange(n)
+
+        def tokens_time(choice):
+            choice = np.asarray(choice)
+            depth = int(choice.max())
+            g = n + gains[rows, choice].sum()
+            return float(g), float(max(t_ar + cost[rows, choice].sum() + d_fwd * depth + (d_fwd1 if depth else 0.0),
+                                       1e-12))
+
+        best_ks = floor_a.copy()
+        g0, t0 = tokens_time(best_ks)
+        best = plain = g0 / t0
+        lo = max(int(floor_a.max()), 1)
+        if kmax >= lo:
+            depths = np.arange(lo, kmax + 1)
+            limit = np.minimum(caps_a[None, :], depths[:, None])
+            allowed = (ks[None, None, :] >= floor_a[None, :, None]) & (ks[None, None, :] <= limit[:, :, None])
+            lam = np.full(len(depths), best)
+            live = np.ones(len(depths), dtype=bool)
+            for _ in range(6):
+                choice = np.where(allowed, gains[None] - lam[:, None, None] * cost[None], -np.inf).argmax(2)
+                deep = choice.max(1)
+                g = n + gains[rows, choice].sum(1)
+                t = np.maximum(t_ar + cost[rows, choice].sum(1) + d_fwd * deep + np.where(deep > 0, d_fwd1, 0.0),
+                               1e-12)
+                val = g / t
+                live &= val > lam * (1 + 1e-9)
+                if not live.any():
+                    break
+                lam = np.where(live, val, lam)
+                j = int(np.argmax(np.where(live, val, -np.inf)))
+                if val[j] > best * (1 + 1e-9):
+                    best, best_ks = float(val[j]), choice[j].copy()
+
+        def off_rows(lam):
+            within = ks[None, :] <= caps_a[:, None]
+            surplus = np.maximum.accumulate(np.maximum(np.where(within, gains - lam * cost, -np.inf), 0.0), axis=1)
+            reach = np.maximum.accumulate(np.where(within, cost, 0.0), axis=1)
+            return [(caps[b], lam, surplus[b].tolist(), reach[b].tolist()) for b in range(n)]
+        return best, [int(k) for k in best_ks], plain, tokens_time, off_rows
+
+    def _search_small(self, requests, caps, floor, lag, prior, t_ar, per_verify, d_fwd, d_fwd1, d_tok, d_ctx):
+        """``_search`` in plain Python, depth by depth, for a few requests: numpy's per-call
+        overhead made a drafting plan ~180 us at batch 1 (~5% of a CPU step) for tables of a
+        handful of values. Same prices (``_row_tables``), same result."""
+        n = len(requests)
+        tables = [self._row_tables(r, caps[b], lag[b], prior, per_verify + d_tok + d_ctx * r.context_len, d_tok)
+                  for b, r in enumerate(requests)]
+
+        def tokens_time(choice):
+            depth = max(choice)
+            g = n + sum(tables[b][0][k] for b, k in enumerate(choice))
+            t = t_ar + sum(tables[b][1][k] for b, k in enumerate(choice)) + d_fwd * depth + (d_fwd1 if depth else 0.0)
+            return float(g), float(max(t, 1e-12))
+
+        best_ks = list(floor)
+        g0, t0 = tokens_time(best_ks)
+        best = plain = g0 / t0
+        for depth in range(max(max(floor), 1), max(caps) + 1):
+            lam = best
+            for _ in range(6):
+                choice = []
+                for b in range(n):
+                    gb, cb = tables[b]
+                    kb = floor[b]
+                    vb = gb[kb] - lam * cb[kb]
+                    for k in range(kb + 1, min(caps[b], depth) + 1):
+                        v = gb[k] - lam * cb[k]
+                        if v > vb:
+                            kb, vb = k, v
+                    choice.append(kb)
+                g, t = tokens_time(choice)
+                val = g / t
+                if val <= lam * (1 + 1e-9):
+                    break
+                lam = val
+                if val > best * (1 + 1e-9):
+                    best, best_ks = val, choice
+
+        def off_rows(lam):
+            depths = self.spec.max_draft_length + 1
+            return [self._surplus_row(caps[b], lam, depths, *tables[b]) for b in range(n)]
+        return best, best_ks, plain, tokens_time, off_rows
 
     def _recheck_due(self) -> bool:
         """An off verdict that only the measured corrections held (see plan) is planned in full
@@ -659,24 +712,35 @@ class BudgetPolicy(DraftPolicy):
         self._tracked = None if any(out) or prefill or not measured else (0, n, t_ar, n)
         return out
 
-    def _row(self, r, cap: int, lag: int, lam: float, depths: int, prior: float, per_token: float, d_tok: float):
-        """One request's (cap, lam, surplus[d], cost[d]) for d < depths: the full plan's tables
-        (``_tables``) for one row, in plain Python (a newcomer costs microseconds)."""
+    def _row_tables(self, r, cap: int, lag: int, prior: float, per_token: float, d_tok: float):
+        """One request's gains[k] and cost[k], k = 0..cap: the numpy ``_tables`` for one row, in
+        plain Python (microseconds for the few values of a newcomer or a small batch)."""
         rate = self._rate(r, prior)
         prof = self.depth_profile()
         fill = r.policy_state.get("fill", self._fill)
         left = float(max(r.params.max_tokens - r.num_generated, 1))
+        gains, costs = [0.0], [0.0]
+        total, power = 0.0, 1.0
+        for k in range(1, cap + 1):
+            power *= min(rate * float(prof[k]), 0.99)
+            total += power
+            gain = total * fill
+            gains.append(gain)
+            costs.append(k * per_token * fill + d_tok * lag / max(left / (1.0 + gain), 1.0))
+        return gains, costs
+
+    def _row(self, r, cap: int, lag: int, lam: float, depths: int, prior: float, per_token: float, d_tok: float):
+        """One request's (cap, lam, surplus[d], cost[d]) for d < depths (see _still_off)."""
+        return self._surplus_row(cap, lam, depths, *self._row_tables(r, cap, lag, prior, per_token, d_tok))
+
+    @staticmethod
+    def _surplus_row(cap: int, lam: float, depths: int, gains: list, costs: list):
         surplus, reach = [0.0], [0.0]
-        best = worst = total = 0.0
-        power = 1.0
+        best = worst = 0.0
         for k in range(1, depths):
             if k <= cap:
-                power *= min(rate * float(prof[k]), 0.99)
-                total += power
-                gain = total * fill
-                cost = k * per_token * fill + d_tok * lag / max(left / (1.0 + gain), 1.0)
-                best = max(best, gain - lam * cost)
-                worst = max(worst, cost)
+                best = max(best, gains[k] - lam * costs[k])
+                worst = max(worst, costs[k])
             surplus.append(best)
             reach.append(worst)
         return cap, lam, surplus, reach

@@ -369,10 +369,11 @@ def test_newcomer_row_matches_the_full_plan_tables():
 
 
 def test_plan_finds_the_best_allocation():
-    """The plan's throughput search (Dinkelbach rounds over every depth at once) against brute
-    force: over every K per request within [min_draft_length, cap], the best predicted tokens /
-    step time from the plan's own price tables, with the step's fixed costs (a draft forward per
-    depth, the drafted-step jump). Random costs, rates, caps, catch-ups and floors."""
+    """The plan's throughput search against brute force: over every K per request within
+    [min_draft_length, cap], the best predicted tokens / step time from the plan's own price
+    tables, with the step's fixed costs (a draft forward per depth, the drafted-step jump).
+    Both searches: numpy over every depth at once (larger batches) and plain Python depth by
+    depth (small ones). Random costs, rates, caps, catch-ups and floors."""
     import itertools
 
     rng = np.random.default_rng(7)
@@ -383,8 +384,7 @@ def test_plan_finds_the_best_allocation():
         c = costs(verify=(3e-3, float(rng.uniform(0, 4e-4)), float(rng.uniform(0, 2e-6)), float(rng.uniform(0, 3e-3)),
                           float(rng.uniform(0, 1e-3))),
                   draft=(float(rng.uniform(1e-5, 2e-3)), float(rng.uniform(0, 4e-5)), float(rng.uniform(0, 1e-7))))
-        pol = policy(k=K, min_draft_length=int(rng.integers(0, 2)))
-        pol.explore_every = pol.explore_max = 10 ** 9
+        floor_len = int(rng.integers(0, 2))
         reqs = []
         for i in range(n):
             r = make_requests(1, rate=float(rng.uniform(0.05, 0.98)), prompt=int(rng.integers(20, 400)),
@@ -393,30 +393,42 @@ def test_plan_finds_the_best_allocation():
             reqs.append(r)
         caps = [int(rng.integers(0, K + 1)) for _ in range(n)]
         lag = [int(rng.choice([0, 0, 120])) for _ in range(n)]
-        seen = {}
-        tables = pol._tables
+        found, seen, offs = [], {}, []
+        for small in (0, 64):         # the numpy search, then the plain-Python one
+            pol = policy(k=K, min_draft_length=floor_len)
+            pol.explore_every = pol.explore_max = 10 ** 9
+            pol.small_batch = small
+            tables = pol._tables
 
-        def spy(*a, **kw):
-            out = tables(*a, **kw)
-            seen.setdefault("t", out)
-            return out
-        pol._tables = spy
-        pol.plan(reqs, caps, c, catchup=lag)
-        if "t" not in seen:
+            def spy(*a, **kw):
+                out = tables(*a, **kw)
+                seen.setdefault("t", out)
+                return out
+            pol._tables = spy
+            pol.plan(reqs, caps, c, catchup=lag)
+            found.append(pol.last_prediction[0] if hasattr(pol, "last_prediction") else None)
+            offs.append(pol._off)
+        if offs[0] is not None:      # switched off: both searches leave the same rows behind
+            assert offs[1] is not None and offs[0]["rows"].keys() == offs[1]["rows"].keys()
+            for key, row in offs[0]["rows"].items():
+                other = offs[1]["rows"][key]
+                assert row[:2] == pytest.approx(other[:2], rel=1e-12)
+                assert np.allclose(row[2], other[2], rtol=1e-9, atol=1e-12) and np.allclose(row[3], other[3], rtol=1e-9)
+        if "t" not in seen or None in found:
             continue
         gains, cost = seen["t"]
         ctx = float(sum(r.context_len for r in reqs))
         t_ar = c.verify_time(n, ctx, drafted=False, requests=n)
         jump = max(c.verify_time(n, ctx, drafted=True, requests=n) - t_ar, 0.0)
         d_fwd = c.draft_coefs(n, ctx)[0]
-        floor = [min(pol.spec.min_draft_length, cap) for cap in caps]
+        floor = [min(floor_len, cap) for cap in caps]
         best = 0.0
         for choice in itertools.product(*[range(f, cap + 1) for f, cap in zip(floor, caps)]):
             depth = max(choice)
             g = n + sum(gains[b, k] for b, k in enumerate(choice))
             t = t_ar + sum(cost[b, k] for b, k in enumerate(choice)) + d_fwd * depth + (jump if depth else 0.0)
             best = max(best, g / max(t, 1e-12))
-        assert pol.last_prediction[0] == pytest.approx(best, rel=1e-9), trial
+        assert found == pytest.approx([best, best], rel=1e-9), trial
         checked += 1
     assert checked > 100
 
