@@ -471,7 +471,6 @@ class BudgetPolicy(DraftPolicy):
         self._off = None
 
         floor = [min(self.spec.min_draft_length, c) for c in caps]
-        kmax = max(caps)
         prior = self._prior()
         ctx = float(sum(r.context_len for r in requests))
         t_ar = costs.verify_time(n, ctx, drafted=False, requests=n)
