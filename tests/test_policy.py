@@ -254,6 +254,21 @@ def test_acceptance_by_evidence_class():
     assert pol.plan([strong, weak], [4, 4], c)[1] == ks[0]
 
 
+def test_a_free_drafter_needs_a_smaller_margin():
+    """A predicted gain of 6-8% pays for a drafter whose measured cost is negligible (n-gram: the
+    verify side, measured every step, is all there is to misjudge) but not for a draft model
+    whose forwards cost 3% of a step (its fitted costs carry the 10% margin)."""
+    verify = (3e-3, 1.2e-3, 0, 0)
+    got = {}
+    for name, draft in (("free", (1e-7, 0, 0)), ("model", (1e-4, 0, 0))):
+        pol = policy()
+        ks = pol.plan(make_requests(1, rate=0.3), [4], costs(verify=verify, draft=draft))
+        drafted, plain = pol.last_prediction
+        assert 1.05 < drafted / plain < 1.09, (name, drafted / plain)
+        got[name] = ks[0]
+    assert got["free"] > 0 and got["model"] == 0
+
+
 def test_a_vetoing_correction_is_re_measured():
     """Drafted steps delivered badly for a while (a slow stretch of a shared host): the measured
     correction vetoes plans the costs say pay. Every recheck_every steps one such plan runs and
