@@ -1,0 +1,26 @@
+"""Server settings (one typed record) and their defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_TAGS = 64                     # distinct Prometheus tag values; later new tags become "other"
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tags: int = MAX_TAGS
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r:.40}")
+
+        positive_int("max_body_bytes", 1024)
+        positive_int("max_tags", 1)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")

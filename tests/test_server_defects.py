@@ -1,0 +1,126 @@
+"""Issue 14, server side: each defect the hostile review found, as a test that failed before its fix.
+
+Loopback only (an in-process uvicorn on 127.0.0.1, or a real `specrt serve` subprocess for
+SIGTERM); every wait is bounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from _engine_utils import make_pair  # noqa: E402
+from _server_utils import LiveServer, free_port, sse  # noqa: E402
+
+from specrt.config import SamplingParams, SpecConfig  # noqa: E402
+from specrt.server import create_app  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BIG_BODY = 8 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("defects_pair"))
+
+
+@pytest.fixture(scope="module")
+def srv(pair):
+    tdir, ddir = pair
+    app = create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny", warmup=False,
+                     spec=SpecConfig(max_draft_length=3, max_batch_size=8), max_body_bytes=BIG_BODY)
+    s = LiveServer(app)
+    yield s
+    s.close()
+
+
+def _post(srv, path="/v1/completions", **body):
+    return srv.client.post(path, json=body)
+
+
+def _error(r, status=400) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+def _ids(srv, **body) -> list[int]:
+    r = _post(srv, **body, specrt={"return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+# ----------------------------------------------------------------------------- defect 1 (boundary)
+@pytest.mark.parametrize("field,value", [
+    ("top_k", 2 ** 31), ("top_k", 10 ** 20), ("top_k", -2), ("seed", 2 ** 63), ("seed", -(2 ** 63) - 1),
+    ("max_tokens", 2 ** 31), ("min_tokens", 2 ** 31), ("temperature", 1e300), ("temperature", float("nan")),
+    ("temperature", float("inf")), ("top_p", float("nan")), ("top_p", 1.5), ("stop", ["x" * 5000]),
+    ("stop", ["a"] * 17), ("ignore_eos", 1)])
+def test_sampling_params_reject_values_the_kernels_cannot_hold(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_edges_that_are_valid():
+    assert SamplingParams(top_k=2 ** 31 - 1).top_k == 2 ** 31 - 1
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(seed=-(2 ** 63)).seed == -(2 ** 63)
+    assert SamplingParams(max_tokens=2 ** 31 - 1, min_tokens=2 ** 31 - 1).max_tokens == 2 ** 31 - 1
+
+
+def test_poisoned_top_k_is_a_400_and_hurts_nobody(srv):
+    body = {"prompt": "w5 w6 w7", "max_tokens": 8, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    before = _ids(srv, **body)
+    for v in (2 ** 31, 10 ** 20, 2 ** 63, -2):
+        err = _error(_post(srv, **body, top_k=v))
+        assert err["param"] == "top_k" and "top_k" in err["message"], err
+    for field, v in (("seed", 2 ** 64), ("max_tokens", 2 ** 40), ("min_tokens", 2 ** 40), ("temperature", 1e300),
+                     ("top_p", 2.0)):
+        err = _error(_post(srv, **{**body, field: v}))
+        assert err["param"] == field, err
+    # top_k at the top of int32 keeps the whole vocabulary: the same tokens as top_k disabled
+    assert _ids(srv, **body, top_k=2 ** 31 - 1) == _ids(srv, **body, top_k=0) == before
+    assert "specrt_engine_step_failures_total 0" in srv.client.get("/metrics").text
+
+
+# ----------------------------------------------------------------------------- defect 2
+
+
+# ----------------------------------------------------------------------------- defect 6
+
+
+# ----------------------------------------------------------------------------- defect 7
+
+
+# ----------------------------------------------------------------------------- defect 8
+
+
+# ----------------------------------------------------------------------------- defect 10
+
+
+# ----------------------------------------------------------------------------- issue 13: the schema
+def test_openapi_shows_the_request_schemas(srv):
+    doc = srv.client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "SpecrtOptions"} <= set(schemas)
+    top_k = schemas["CompletionRequest"]["properties"]["top_k"]["anyOf"][0]
+    assert top_k["maximum"] == 2 ** 31 - 1 and top_k["minimum"] == -1
+    assert schemas["CompletionRequest"]["additionalProperties"] is False      # unknown fields are refused
+    for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
