@@ -102,6 +102,27 @@ def test_poisoned_top_k_is_a_400_and_hurts_nobody(srv):
 
 
 # ----------------------------------------------------------------------------- defect 6
+def test_lone_surrogates_and_giant_integers_are_400(srv):
+    bodies = [
+        ('{"prompt": "w5 \\ud800 w6", "max_tokens": 2}', "prompt"),
+        ('{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+        ('{"prompt": "w5", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+        ('{"prompt": "w5", "max_tokens": ' + "9" * 5000 + "}", None),
+        ('{"prompt": "w5", "top_k": ' + "1" * 5000 + "}", None),
+        ('{"prompt": [5, ' + "7" * 5000 + "]}", None),
+        ('{"prompt": "w5", "max_tokens": ' + "9" * 4000 + "}", "max_tokens"),
+        ('{"prompt": "w5", "temperature": 1e999}', "temperature"),
+        ('{"prompt": "w5", "temperature": NaN}', "temperature"),
+    ]
+    for raw, param in bodies:
+        r = srv.client.post("/v1/completions", content=raw.encode(), headers={"content-type": "application/json"})
+        err = _error(r)
+        if param is not None:
+            assert err["param"].split("[")[0] == param, (raw[:60], err)
+    chat = '{"messages": [{"role": "user", "content": "w5 \\ud800"}], "max_tokens": 2}'
+    r = srv.client.post("/v1/chat/completions", content=chat.encode(), headers={"content-type": "application/json"})
+    assert _error(r)["param"].startswith("messages[0]")
+    assert _post(srv, prompt="w5 w6", max_tokens=2).status_code == 200
 
 
 # ----------------------------------------------------------------------------- defect 7

@@ -1,4 +1,4 @@
-"""Request body (bytes) -> ParsedRequest: JSON, the schema, the model name, the tag,
+"""Request body (bytes) -> ParsedRequest: JSON, Unicode, the schema, the model name, the tag,
 SamplingParams and the prompt's token ids. Runs on the tokenizer pool, off the event loop."""
 from __future__ import annotations
 
@@ -62,6 +62,36 @@ def decode_json(raw: bytes):
                   None, "invalid_json") from None
     except RecursionError:
         raise bad("the request body's JSON is nested too deeply", None, "invalid_json") from None
+    except ValueError as e:        # e.g. an integer of more than 4300 digits
+        raise bad(f"the request body holds a number that cannot be read: {str(e)[:120]}", None,
+                  "invalid_json") from None
+
+
+def _surrogate_path(x, path: str) -> str | None:
+    if isinstance(x, str):
+        return None if not any("\ud800" <= c <= "\udfff" for c in x) else path
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        if isinstance(k, str) and _surrogate_path(k, "") is not None:
+            return (path + "." if path else "") + ascii(k)
+        sub = f"{path}[{k}]" if isinstance(k, int) else (f"{path}.{k}" if path else k)
+        found = _surrogate_path(v, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def check_unicode(body) -> None:
+    """Refuse lone UTF-16 surrogates ("\\ud800" in JSON): they are not text, and no tokenizer
+    or UTF-8 response can hold them."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    path = _surrogate_path(body, "") or None
+    raise bad(f"'{path}' holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid Unicode text",
+              path, "invalid_unicode")
 
 
 def _sampling_params(req, chat: bool, max_model_len: int) -> SamplingParams:
@@ -86,6 +116,7 @@ def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}", None, "invalid_type")
+    check_unicode(body)
     schema = ChatCompletionRequest if chat else CompletionRequest
     try:
         req = schema.model_validate(body)
