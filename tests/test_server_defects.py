@@ -99,6 +99,77 @@ def test_poisoned_top_k_is_a_400_and_hurts_nobody(srv):
 
 
 # ----------------------------------------------------------------------------- defect 2
+def test_huge_prompts_do_not_stall_health_or_other_streams(srv):
+    """Four 2 MB prompts (rejected: far beyond the context) while /health is polled and a normal
+    stream runs: both keep answering promptly, and the huge prompts are never tokenized."""
+    from specrt.server import tokenize as tok_mod
+
+    calls: list[str] = []
+    real_encode = tok_mod.encode_text
+
+    def recording_encode(tokenizer, text, add_special_tokens=True):
+        calls.append(threading.current_thread().name)
+        return real_encode(tokenizer, text, add_special_tokens)
+
+    tok_mod.encode_text = recording_encode
+    huge = "w5 w6 w7 " * (2 * 1024 * 1024 // 9)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+                async def huge_one(i):
+                    if i % 2:
+                        return await client.post("/v1/chat/completions",
+                                                 json={"messages": [{"role": "user", "content": huge}]})
+                    return await client.post("/v1/completions", json={"prompt": huge, "max_tokens": 2})
+
+                async def health_latencies():
+                    lat = []
+                    for _ in range(30):
+                        t0 = time.perf_counter()
+                        r = await client.get("/health")
+                        assert r.status_code == 200
+                        lat.append(time.perf_counter() - t0)
+                        await asyncio.sleep(0.02)
+                    return lat
+
+                async def stream_gaps():
+                    gaps, last = [], time.perf_counter()
+                    body = {"prompt": "w9 w8", "max_tokens": 48, "ignore_eos": True, "stream": True}
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        async for line in r.aiter_lines():
+                            if line:
+                                now = time.perf_counter()
+                                gaps.append(now - last)
+                                last = now
+                    return gaps
+
+                stream = asyncio.ensure_future(stream_gaps())
+                health = asyncio.ensure_future(health_latencies())
+                rejected = await asyncio.gather(*(huge_one(i) for i in range(4)))
+                return rejected, await health, await stream
+
+        rejected, lat, gaps = asyncio.run(run())
+    finally:
+        tok_mod.encode_text = real_encode
+    for r in rejected:
+        err = _error(r)
+        assert err["code"] == "context_length_exceeded" and err["param"] in ("prompt", "messages"), err
+    assert max(lat) < 2.0, f"/health took {max(lat):.2f} s while huge prompts were being rejected"
+    assert max(gaps) < 2.0, f"a normal stream stalled {max(gaps):.2f} s"
+    # the huge prompts were refused by their size, never tokenized; normal prompts are tokenized
+    # off the event loop and off the step thread
+    assert calls and all(name.startswith("specrt-tokenize") for name in calls), calls
+    assert len(calls) <= 2, calls
+
+
+def test_tokenizing_here_equals_the_engine_tokenizer(srv):
+    from specrt.server.tokenize import encode_text
+
+    tok = srv.state.engine.tokenizer
+    for text in ("w5 w6 w7", "  w3\nw90 w4 ", "w5 unknown w6 é", "w1" * 50):
+        assert encode_text(tok, text) == tok.encode(text)
+        assert encode_text(tok, text, False) == tok.encode(text, add_special_tokens=False)
 
 
 # ----------------------------------------------------------------------------- defect 6

@@ -83,14 +83,15 @@ def _openapi(app: FastAPI):
 
 def create_app(engine=None, *, target: str | None = None, draft: str | None = None, spec=None, device=None,
                dtype=None, seed: int | None = None, model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, warmup: bool = True,
-               max_tags: int = MAX_TAGS) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, warmup: bool = True, max_tags: int = MAX_TAGS,
+               max_prompt_chars: int | None = None) -> FastAPI:
     """Build the FastAPI app. Pass a ready `engine` (an LLMEngine) or the arguments to build one
     (`target`, `draft` (None: plain autoregressive decoding), `spec`, `device`, `dtype`).
     The engine is warmed up (when `warmup`) before this returns, i.e. before a port opens.
     The step thread starts here; `app.state.specrt.close()` (or the app's shutdown) ends it."""
     settings = ServerSettings(model_name=model_name or _default_model_name(target), api_key=api_key,
-                              max_body_bytes=max_body_bytes, max_tags=max_tags)
+                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
+                              max_tags=max_tags)
     if engine is None:
         if target is None:
             raise ValueError("create_app needs an engine or a target model")

@@ -112,7 +112,7 @@ def _sampling_params(req, chat: bool, max_model_len: int) -> SamplingParams:
 
 
 def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name: str, tags: TagSet,
-                  tokenizer, max_model_len: int) -> ParsedRequest:
+                  tokenizer, max_model_len: int, max_prompt_chars: int) -> ParsedRequest:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}", None, "invalid_type")
@@ -130,7 +130,7 @@ def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name:
     params = _sampling_params(req, chat, max_model_len)
     prompt = [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in req.messages] if chat \
         else req.prompt
-    ids = prompt_token_ids(prompt, chat, tokenizer, max_model_len)
+    ids = prompt_token_ids(prompt, chat, tokenizer, max_model_len, max_prompt_chars)
     so = req.stream_options
     return ParsedRequest(prompt_ids=ids, params=params, stream=bool(req.stream),
                          include_usage=bool(so is not None and so.include_usage), tag=tag,

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=None, help="seed for the seeds of unseeded requests")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt in characters, refused before tokenizing (default: 32 x max-model-len)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -91,7 +93,8 @@ def _build_app(args, api_key):
 
             engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
         app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
-                         api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup)
+                         api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
+                         max_prompt_chars=args.max_prompt_chars)
     except ValueError:
         if engine is not None:
             engine.close()

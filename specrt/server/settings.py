@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_TAGS = 64                     # distinct Prometheus tag values; later new tags become "other"
+# Prompts are bounded in characters before they are tokenized: max_model_len tokens of real
+# text average ~4 characters each; 32 per token leaves room for long tokens and whitespace.
+PROMPT_CHARS_PER_TOKEN = 32
 
 
 @dataclass
@@ -12,6 +15,7 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_chars: int | None = None      # None: max_model_len * PROMPT_CHARS_PER_TOKEN
     max_tags: int = MAX_TAGS
 
     def __post_init__(self) -> None:
@@ -22,5 +26,7 @@ class ServerSettings:
 
         positive_int("max_body_bytes", 1024)
         positive_int("max_tags", 1)
+        if self.max_prompt_chars is not None:
+            positive_int("max_prompt_chars", 1)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")

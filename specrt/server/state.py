@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specrt.server.parse import TagSet
 from specrt.server.runner import EngineRunner
-from specrt.server.settings import ServerSettings
+from specrt.server.settings import PROMPT_CHARS_PER_TOKEN, ServerSettings
 
 TOKENIZER_THREADS = 2
 
@@ -19,6 +19,7 @@ class ServerState:
         self.model_name = settings.model_name
         self.api_key = settings.api_key
         self.max_body_bytes = settings.max_body_bytes
+        self.max_prompt_chars = settings.max_prompt_chars or engine.max_model_len * PROMPT_CHARS_PER_TOKEN
         self.tags = TagSet(settings.max_tags)
         self.created = int(time.time())
         self.num_kv_blocks = engine.num_free_blocks()      # idle now: every block is free
