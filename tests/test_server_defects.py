@@ -197,6 +197,77 @@ def test_lone_surrogates_and_giant_integers_are_400(srv):
 
 
 # ----------------------------------------------------------------------------- defect 7
+def _raw_request(port: int, path: str, announced: int, sent: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {announced}\r\n\r\n").encode()
+    s.sendall(head + sent)
+    return s
+
+
+def _read_until_closed(s: socket.socket, timeout: float) -> bytes:
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+    except (socket.timeout, ConnectionResetError):
+        return data + b"<still open>"
+
+
+def test_stalled_uploads_time_out_with_one_log_line_each(pair, caplog):
+    tdir, _ = pair
+    app = create_app(target=str(tdir), device="cpu", warmup=False, model_name="tiny", body_timeout_s=1.0)
+    live = LiveServer(app)
+    try:
+        with caplog.at_level(logging.INFO):
+            socks = [_raw_request(live.port, "/v1/completions", 1000, b'{"prompt": "w5"') for _ in range(20)]
+            quitter = _raw_request(live.port, "/v1/completions", 1000, b'{"prompt":')
+            quitter.close()                       # gives up mid-body
+            t0 = time.time()
+            answers = [_read_until_closed(s, 10.0) for s in socks]
+            elapsed = time.time() - t0
+            for s in socks:
+                s.close()
+            assert live.client.get("/health").status_code == 200
+            time.sleep(0.3)
+        for a in answers:
+            assert a.startswith(b"HTTP/1.1 408"), a[:200]
+            assert b'"code":"request_timeout"' in a.replace(b" ", b""), a[-300:]
+            assert not a.endswith(b"<still open>"), "the connection was left open"
+        assert elapsed < 8.0
+        records = [r for r in caplog.records if r.name.startswith(("specrt", "uvicorn"))]
+        assert not [r for r in records if r.exc_info], "tracebacks were logged"
+        timeouts = [r for r in records if "timed out" in r.getMessage()]
+        assert len(timeouts) == 20, [r.getMessage() for r in records][:10]
+        gone = [r for r in records if "disconnected" in r.getMessage()]
+        assert len(gone) == 1, [r.getMessage() for r in records][:10]
+        assert live.client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+    finally:
+        live.close()
+
+
+def test_concurrent_request_cap_answers_503(pair):
+    tdir, _ = pair
+    app = create_app(target=str(tdir), device="cpu", warmup=False, model_name="tiny", body_timeout_s=3.0,
+                     max_connections=4)
+    live = LiveServer(app)
+    try:
+        socks = [_raw_request(live.port, "/v1/completions", 100, b"{") for _ in range(4)]
+        time.sleep(0.3)
+        r = live.client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+        err = _error(r, 503)
+        assert err["code"] == "server_overloaded" and r.headers.get("retry-after")
+        assert live.client.get("/health").status_code == 200     # health is never capped
+        for s in socks:
+            _read_until_closed(s, 10.0)
+            s.close()
+        assert live.client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+    finally:
+        live.close()
 
 
 # ----------------------------------------------------------------------------- defect 8

@@ -8,16 +8,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specrt.config import SamplingParams
-from specrt.server.errors import APIError
+from specrt.server.errors import APIError, ClientGone
 from specrt.server.middleware import GateAndCount
 from specrt.server.routes import router
 from specrt.server.schemas import REQUEST_MODELS
-from specrt.server.settings import DEFAULT_MAX_BODY_BYTES, MAX_TAGS, ServerSettings
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, \
+    MAX_TAGS, ServerSettings
 from specrt.server.state import ServerState
 
 logger = logging.getLogger("specrt.server")
@@ -46,6 +47,8 @@ def _default_model_name(target) -> str:
 
 
 def error_response(err: APIError, headers: dict | None = None) -> JSONResponse:
+    if err.status in (408, 413):       # the body was not read to its end: this connection is done
+        headers = {**(headers or {}), "Connection": "close"}
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -53,6 +56,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
         return error_response(err)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone):
+        return Response(status_code=499)          # logged once where it happened; nobody reads this
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -84,13 +91,15 @@ def _openapi(app: FastAPI):
 def create_app(engine=None, *, target: str | None = None, draft: str | None = None, spec=None, device=None,
                dtype=None, seed: int | None = None, model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, warmup: bool = True, max_tags: int = MAX_TAGS,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                max_prompt_chars: int | None = None) -> FastAPI:
     """Build the FastAPI app. Pass a ready `engine` (an LLMEngine) or the arguments to build one
     (`target`, `draft` (None: plain autoregressive decoding), `spec`, `device`, `dtype`).
     The engine is warmed up (when `warmup`) before this returns, i.e. before a port opens.
     The step thread starts here; `app.state.specrt.close()` (or the app's shutdown) ends it."""
     settings = ServerSettings(model_name=model_name or _default_model_name(target), api_key=api_key,
-                              max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
+                              max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+                              max_connections=max_connections, max_prompt_chars=max_prompt_chars,
                               max_tags=max_tags)
     if engine is None:
         if target is None:

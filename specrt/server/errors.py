@@ -20,6 +20,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request was read: nobody is left to answer."""
+
+
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     """A 400 for the request's fault."""
     return APIError(400, message, "invalid_request_error", param, code)

@@ -1,5 +1,5 @@
-"""Pure ASGI middleware (keeps streaming and disconnect semantics intact): the API key check
-and the per-path/status counter behind /metrics."""
+"""Pure ASGI middleware (keeps streaming and disconnect semantics intact): the API key check,
+the cap on concurrent requests, and the per-path/status counter behind /metrics."""
 from __future__ import annotations
 
 import hmac
@@ -9,6 +9,7 @@ from specrt.server.errors import APIError
 
 logger = logging.getLogger("specrt.server")
 COUNTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+UNCAPPED_PATHS = ("/health", "/metrics")      # cheap, and what an operator looks at under load
 
 
 def _authorized(scope, api_key: str) -> bool:
@@ -41,10 +42,19 @@ class GateAndCount:
             err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", None, "invalid_api_key")
             return await self._refuse(path, err, scope, receive, send, {"WWW-Authenticate": "Bearer"})
+        capped = path not in UNCAPPED_PATHS
+        if capped and state.active_requests >= state.settings.max_connections:
+            err = APIError(503, f"the server is at its limit of {state.settings.max_connections} concurrent "
+                           "requests; retry shortly", "server_error", None, "server_overloaded")
+            return await self._refuse(path, err, scope, receive, send, {"Retry-After": "1"})
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 self._count(path, message["status"])
             await send(message)
 
-        return await self.app(scope, receive, counting_send)
+        state.active_requests += capped
+        try:
+            return await self.app(scope, receive, counting_send)
+        finally:
+            state.active_requests -= capped

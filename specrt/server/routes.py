@@ -11,8 +11,9 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
-from specrt.server.errors import APIError, bad, server_error
+from specrt.server.errors import APIError, ClientGone, bad, server_error
 from specrt.server.parse import ParsedRequest, parse_request
 from specrt.server.responses import completion_body, failure, stream_events
 from specrt.server.runner import Failed, Refused
@@ -28,9 +29,15 @@ def _body_schema(name: str) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "unknown client"
+
+
 async def read_body(request: Request, state) -> bytes:
-    """The request body, within the size limit."""
-    limit = state.max_body_bytes
+    """The request body, within the size limit and the read timeout (a client that announces more
+    than it sends is dropped with a 408 after `body_timeout_s`)."""
+    limit, timeout = state.max_body_bytes, state.settings.body_timeout_s
     length = request.headers.get("content-length")
     if length is not None:
         if not re.fullmatch(r"[0-9]{1,19}", length.strip()):
@@ -38,13 +45,29 @@ async def read_body(request: Request, state) -> bytes:
         if int(length) > limit:
             raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of {limit} bytes",
                            "invalid_request_error", None, "request_too_large")
-    chunks, received = [], 0
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
-                           None, "request_too_large")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+    received = 0
+
+    async def read() -> None:
+        nonlocal received
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", "invalid_request_error",
+                               None, "request_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        logger.warning("%s %s: request body timed out after %g s (%d of %s bytes); connection closed",
+                       _client(request), request.url.path, timeout, received, length or "?")
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", "invalid_request_error",
+                       None, "request_timeout") from None
+    except ClientDisconnect:
+        logger.info("%s %s: client disconnected while sending the request body (%d of %s bytes)",
+                    _client(request), request.url.path, received, length or "?")
+        raise ClientGone() from None
     return b"".join(chunks)
 
 

@@ -10,9 +10,12 @@ import os
 import sys
 import time
 
-from specrt.server.settings import DEFAULT_MAX_BODY_BYTES
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger("specrt.server")
+# uvicorn's own connection cap sits above the app's request cap, as a backstop for idle or
+# half-open connections (health and metrics requests are not counted by the app's cap)
+UVICORN_CONNECTION_HEADROOM = 64
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=None, help="seed for the seeds of unseeded requests")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client has to send its whole request body (then 408, connection closed)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="concurrent requests served; more get 503 (health and metrics are always served)")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longest prompt in characters, refused before tokenizing (default: 32 x max-model-len)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
@@ -94,6 +101,7 @@ def _build_app(args, api_key):
             engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
         app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
                          api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
+                         body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                          max_prompt_chars=args.max_prompt_chars)
     except ValueError:
         if engine is not None:
@@ -106,7 +114,8 @@ def _serve(app, args) -> None:
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                access_log=args.log_level == "debug")
+                access_log=args.log_level == "debug",
+                limit_concurrency=args.max_connections + UVICORN_CONNECTION_HEADROOM)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ class ServerState:
         self.created = int(time.time())
         self.num_kv_blocks = engine.num_free_blocks()      # idle now: every block is free
         self.http_requests: dict[tuple[str, int], int] = {}    # (path, status) -> count; event loop only
+        self.active_requests = 0                           # capped by settings.max_connections; event loop only
         # parsing + tokenizing: off the event loop (and off the step thread)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specrt-tokenize")
         self.runner = EngineRunner(engine)
