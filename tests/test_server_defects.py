@@ -271,6 +271,81 @@ def test_concurrent_request_cap_answers_503(pair):
 
 
 # ----------------------------------------------------------------------------- defect 8
+def _stream_until_end(port: int, body: dict, started: threading.Event, out: list, i: int) -> None:
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+                out[i] = ("ok", r.status_code, lines)
+    except Exception as e:  # noqa: BLE001 - recorded and asserted on below
+        out[i] = ("exc", repr(e), None)
+
+
+def test_sigterm_drains_streams_with_a_final_event(pair, tmp_path):
+    tdir, ddir = pair
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", "--target-model", str(tdir),
+                             "--draft-model", str(ddir), "--speculative-decoding", "--port", str(port),
+                             "--no-warmup", "--max-batch-size", "1", "--drain-timeout", "1", "--threads", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        n = 10
+        body = {"prompt": "w5 w6", "max_tokens": 500, "ignore_eos": True, "stream": True,
+                "specrt": {"return_token_ids": True}}
+        results: list = [None] * n
+        started = threading.Event()
+        threads = [threading.Thread(target=_stream_until_end, args=(port, body, started, results, i))
+                   for i in range(n)]
+        for t in threads:
+            t.start()
+        assert started.wait(30)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        t_term = time.time()
+        time.sleep(0.2)
+        try:       # after SIGTERM nobody new is admitted: the port is closed, or a 503
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "w5"}, timeout=5)
+            assert r.status_code == 503, r.text
+        except httpx.ConnectError:
+            pass
+        for t in threads:
+            t.join(30)
+        rc = proc.wait(30)
+        exited_after = time.time() - t_term
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = (tmp_path / "serve.log").read_text()
+    assert rc == 0, text[-3000:]
+    assert exited_after < 15, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    finished = failed = 0
+    for kind, status, lines in results:
+        assert kind == "ok" and status == 200, (kind, status)
+        events = sse(lines)            # asserts the final `data: [DONE]`
+        last = events[-1]
+        if "error" in last:
+            assert last["error"]["code"] == "server_shutting_down", last
+            failed += 1
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+            assert sum(len(e["choices"][0]["token_ids"]) for e in events) == 500
+            finished += 1
+    assert failed >= 1 and finished + failed == n, (finished, failed)
 
 
 # ----------------------------------------------------------------------------- defect 10

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -17,8 +19,8 @@ from specrt.server.errors import APIError, ClientGone
 from specrt.server.middleware import GateAndCount
 from specrt.server.routes import router
 from specrt.server.schemas import REQUEST_MODELS
-from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, \
-    MAX_TAGS, ServerSettings
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, \
+    DEFAULT_MAX_CONNECTIONS, MAX_TAGS, ServerSettings
 from specrt.server.state import ServerState
 
 logger = logging.getLogger("specrt.server")
@@ -38,6 +40,31 @@ def warm_up(engine, num_requests: int = 4, max_tokens: int = 8) -> None:
     if engine.spec.policy == "budget":
         engine.calibrate()
     engine.metrics = type(engine.metrics)(engine.metrics.window_s)
+
+
+def drain_on_exit_signals(state: ServerState):
+    """Chain a drain in front of the server's SIGTERM/SIGINT handlers (uvicorn installs its own
+    before the app starts): the first signal stops admitting and gives the requests in flight
+    `drain_timeout_s` to finish while the server waits for them. Returns the undo function."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None          # signals only reach the main thread (in-process test servers)
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+        if not callable(previous):
+            continue                  # default/ignored: nobody to hand the signal on to
+
+        def handler(signum, frame, previous=previous):
+            state.begin_drain(state.settings.drain_timeout_s)
+            previous(signum, frame)
+
+        saved[sig] = previous
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
+    return restore
 
 
 def _default_model_name(target) -> str:
@@ -92,7 +119,7 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
                dtype=None, seed: int | None = None, model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, warmup: bool = True, max_tags: int = MAX_TAGS,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-               max_prompt_chars: int | None = None) -> FastAPI:
+               max_prompt_chars: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> FastAPI:
     """Build the FastAPI app. Pass a ready `engine` (an LLMEngine) or the arguments to build one
     (`target`, `draft` (None: plain autoregressive decoding), `spec`, `device`, `dtype`).
     The engine is warmed up (when `warmup`) before this returns, i.e. before a port opens.
@@ -100,7 +127,7 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
     settings = ServerSettings(model_name=model_name or _default_model_name(target), api_key=api_key,
                               max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                               max_connections=max_connections, max_prompt_chars=max_prompt_chars,
-                              max_tags=max_tags)
+                              max_tags=max_tags, drain_timeout_s=drain_timeout_s)
     if engine is None:
         if target is None:
             raise ValueError("create_app needs an engine or a target model")
@@ -113,8 +140,12 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
 
     @asynccontextmanager
     async def lifespan(app):
-        yield
-        await asyncio.get_running_loop().run_in_executor(None, state.close)
+        restore = drain_on_exit_signals(state)
+        try:
+            yield
+        finally:
+            restore()
+            await asyncio.get_running_loop().run_in_executor(None, state.close)
 
     app = FastAPI(title="specrt", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json",

@@ -134,6 +134,8 @@ async def _complete(request: Request, state, q: asyncio.Queue, req: ParsedReques
 
 async def _handle(request: Request, chat: bool):
     state = request.app.state.specrt
+    if state.draining:
+        raise server_error("the server is shutting down", "server_shutting_down", 503)
     raw = await read_body(request, state)
     eng = state.engine
     parse = functools.partial(parse_request, raw, chat, request.headers.get("x-specrt-tag"),
@@ -178,8 +180,8 @@ async def models(request: Request):
 async def health(request: Request):
     state = request.app.state.specrt
     runner = state.runner
-    ok = runner.alive
-    status = "ok" if ok else "engine thread stopped"
+    ok = runner.alive and not state.draining
+    status = "ok" if ok else "draining" if state.draining else "engine thread stopped"
     body = {"status": status, "in_flight": runner.num_in_flight, "engine_failures": runner.failures}
     return JSONResponse(body, status_code=200 if ok else 503)
 

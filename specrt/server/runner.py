@@ -46,7 +46,7 @@ class _Stream:
 
 @dataclass
 class _Cmd:
-    kind: str                        # "add" | "abort" | "sync" | "stop"
+    kind: str                        # "add" | "abort" | "sync" | "drain" | "stop"
     request_id: str | None = None
     args: tuple = ()
     stream: _Stream | None = None
@@ -64,6 +64,7 @@ class EngineRunner:
         self._cmds: queue.SimpleQueue[_Cmd] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}     # step thread only
         self._must_step = False                    # an abort left a finished request to drain
+        self._drain_deadline: float | None = None  # set by drain(): refuse adds, fail what is left then
         self.num_in_flight = 0                     # read by /health, /metrics (int: atomic under the GIL)
         self.steps = 0
         self.failures = 0
@@ -81,6 +82,11 @@ class EngineRunner:
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Cmd("abort", request_id))
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop admitting; requests still running after `timeout_s` fail with a final event.
+        Safe from a signal handler (SimpleQueue.put is reentrant)."""
+        self._cmds.put(_Cmd("drain", args=(time.monotonic() + max(0.0, timeout_s),)))
 
     @property
     def alive(self) -> bool:
@@ -113,6 +119,9 @@ class EngineRunner:
 
     def _add(self, cmd: _Cmd) -> None:
         prompt_ids, params, tag = cmd.args
+        if self._drain_deadline is not None:
+            self._deliver(cmd.stream, Failed(SHUTTING_DOWN, 503, "server_shutting_down"))
+            return
         try:
             self.engine.add_request(prompt_ids, params, request_id=cmd.request_id, tag=tag)
         except ValueError as e:
@@ -139,6 +148,10 @@ class EngineRunner:
                 except Exception:
                     logger.exception("abort_request failed")
                 self._must_step = True
+        elif cmd.kind == "drain":
+            self._drain_deadline = cmd.args[0]
+            logger.info("draining: %d request(s) in flight get %.1f s to finish; new requests get 503",
+                        len(self._streams), max(0.0, self._drain_deadline - time.monotonic()))
         return True
 
     def _busy(self) -> bool:
@@ -149,6 +162,8 @@ class EngineRunner:
         try:
             if self._busy():
                 cmds.append(self._cmds.get_nowait())
+            elif self._drain_deadline is not None:
+                cmds.append(self._cmds.get(timeout=0.05))     # wake up to check the deadline
             else:
                 cmds.append(self._cmds.get())
             while True:
@@ -163,6 +178,8 @@ class EngineRunner:
                 if not self._handle(cmd):
                     self._fail_all(SHUTTING_DOWN, 503, "server_shutting_down")
                     return
+            if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline and self._streams:
+                self._fail_all(SHUTTING_DOWN, 503, "server_shutting_down")
             if self._busy():
                 self._step()
 

@@ -1,16 +1,23 @@
 """`specrt serve`: command line -> engine -> app -> uvicorn.
 
     specrt serve --target-model builtin --draft-model builtin --speculative-decoding --draft-length 5
+
+On SIGTERM (or Ctrl-C) the app drains (see app.py): it stops admitting (503), gives the
+requests in flight --drain-timeout seconds to finish, fails the rest with a final error
+event (streams still end with `data: [DONE]`), then uvicorn exits. A second Ctrl-C exits at once.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
-from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, \
+    DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger("specrt.server")
 # uvicorn's own connection cap sits above the app's request cap, as a backstop for idle or
@@ -54,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent requests served; more get 503 (health and metrics are always served)")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longest prompt in characters, refused before tokenizing (default: 32 x max-model-len)")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, seconds the requests in flight get to finish before they are failed")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -88,6 +97,12 @@ def engine_kwargs(args) -> dict:
     return dict(target=args.target_model, draft=draft, spec=spec, device=args.device, dtype=dtype, seed=args.seed)
 
 
+def _check_args(args) -> str | None:
+    if args.drain_timeout < 0:
+        return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    return None
+
+
 def _build_app(args, api_key):
     """(app, engine we own or None); ValueError for bad arguments."""
     from specrt.server.app import create_app
@@ -102,7 +117,7 @@ def _build_app(args, api_key):
         app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
                          api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
-                         max_prompt_chars=args.max_prompt_chars)
+                         max_prompt_chars=args.max_prompt_chars, drain_timeout_s=args.drain_timeout)
     except ValueError:
         if engine is not None:
             engine.close()
@@ -110,18 +125,31 @@ def _build_app(args, api_key):
     return app, engine
 
 
+def _replayed_signal(signum, frame) -> None:
+    """uvicorn re-raises the SIGTERM/SIGINT it handled once it has stopped; by then the server
+    has drained and shut down, so main() returns (exit status 0) and closes the engine."""
+
+
 def _serve(app, args) -> None:
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
-                access_log=args.log_level == "debug",
-                limit_concurrency=args.max_connections + UVICORN_CONNECTION_HEADROOM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.signal(sig, _replayed_signal) for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if main_thread else {}
+    try:
+        # uvicorn waits this long for open requests after a signal; the app drains within it
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.drain_timeout) + 10, access_log=args.log_level == "debug",
+                    limit_concurrency=args.max_connections + UVICORN_CONNECTION_HEADROOM)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = "--max-body-bytes must be >= 1024" if args.max_body_bytes < 1024 else None
+    problem = "--max-body-bytes must be >= 1024" if args.max_body_bytes < 1024 else _check_args(args)
     if problem:
         print(f"specrt serve: {problem}", file=sys.stderr)
         return 2
