@@ -349,6 +349,47 @@ def test_sigterm_drains_streams_with_a_final_event(pair, tmp_path):
 
 
 # ----------------------------------------------------------------------------- defect 10
+def test_in_flight_gauge_is_exact_after_a_response(srv):
+    srv.wait_idle()
+    stale = 0
+    for i in range(100):
+        body = {"prompt": "w5 w6", "max_tokens": 2, "ignore_eos": True}
+        if i % 2:
+            with srv.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                sse(r.iter_lines())
+        else:
+            assert _post(srv, **body).status_code == 200
+        stale += srv.client.get("/health").json()["in_flight"] != 0
+    assert stale == 0, f"{stale} of 100 /health calls showed a finished request in flight"
+
+
+def test_serve_without_extras_prints_an_install_hint():
+    code = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
+            "from specrt.cli import main; sys.exit(main(['serve', '--target-model', 'builtin']))")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert 'pip install "specrt[serve]"' in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_chat_without_a_chat_template_says_so(pair, tmp_path):
+    import shutil
+
+    tdir, _ = pair
+    plain = tmp_path / "no_template"
+    shutil.copytree(tdir, plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    live = LiveServer(create_app(target=str(plain), device="cpu", warmup=False, model_name="plain"))
+    try:
+        r = live.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}]})
+        err = _error(r)
+        assert "no chat template" in err["message"] and "/v1/completions" in err["message"], err
+        assert err["param"] is None and err["code"] == "no_chat_template"
+        assert live.client.post("/v1/completions", json={"prompt": "w5", "max_tokens": 2}).status_code == 200
+    finally:
+        live.close()
 
 
 # ----------------------------------------------------------------------------- issue 13: the schema

@@ -112,7 +112,8 @@ class EngineRunner:
             pass
 
     def _forget(self, request_id: str) -> _Stream | None:
-        """Drop a request's stream."""
+        """Drop a request's stream; the gauge changes BEFORE its last item is delivered, so a
+        client that has its answer never sees itself still in flight."""
         s = self._streams.pop(request_id, None)
         self.num_in_flight = len(self._streams)
         return s
@@ -199,10 +200,9 @@ class EngineRunner:
             return
         self._failed_in_a_row = 0
         for out in outs:
-            s = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            s = self._forget(out.request_id) if out.finished else self._streams.get(out.request_id)
             if s is not None:
                 self._deliver(s, out)
-        self.num_in_flight = len(self._streams)
 
     def _fail_all(self, message: str, status: int = 500, code: str = "engine_error") -> None:
         """Abort every request in flight and give each a Failed as its last item."""

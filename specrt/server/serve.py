@@ -20,6 +20,7 @@ from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT
     DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger("specrt.server")
+INSTALL_HINT = 'pip install "specrt[serve]"'
 # uvicorn's own connection cap sits above the app's request cap, as a backstop for idle or
 # half-open connections (health and metrics requests are not counted by the app's cap)
 UVICORN_CONNECTION_HEADROOM = 64
@@ -103,6 +104,16 @@ def _check_args(args) -> str | None:
     return None
 
 
+def _missing_extras() -> str | None:
+    """The name of a missing serve dependency, or None."""
+    for name in ("fastapi", "uvicorn", "pydantic"):
+        try:
+            __import__(name)
+        except ImportError:
+            return name
+    return None
+
+
 def _build_app(args, api_key):
     """(app, engine we own or None); ValueError for bad arguments."""
     from specrt.server.app import create_app
@@ -149,6 +160,10 @@ def _serve(app, args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    missing = _missing_extras()
+    if missing is not None:
+        print(f"specrt serve: the server needs {missing}, which is not installed: {INSTALL_HINT}", file=sys.stderr)
+        return 2
     problem = "--max-body-bytes must be >= 1024" if args.max_body_bytes < 1024 else _check_args(args)
     if problem:
         print(f"specrt serve: {problem}", file=sys.stderr)

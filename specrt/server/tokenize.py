@@ -41,6 +41,9 @@ def _check_tokens(ids: list[int], max_model_len: int, param: str) -> list[int]:
 
 def chat_text(tokenizer, messages: list[dict], max_prompt_chars: int, max_model_len: int) -> str:
     """Render chat messages with the model's chat template (bounded in size before and after)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template, so it cannot take chat messages; send the text as "
+                       "a plain prompt to /v1/completions", "invalid_request_error", None, "no_chat_template")
     chars = sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
     _check_chars(chars, max_prompt_chars, max_model_len, "messages")
     if len(messages) > max_model_len:
