@@ -102,7 +102,7 @@ def test_poisoned_top_k_is_a_400_and_hurts_nobody(srv):
 def test_huge_prompts_do_not_stall_health_or_other_streams(srv):
     """Four 2 MB prompts (rejected: far beyond the context) while /health is polled and a normal
     stream runs: both keep answering promptly, and the huge prompts are never tokenized."""
-    from specrt.server import tokenize as tok_mod
+    from specrt.server import prompts as tok_mod
 
     calls: list[str] = []
     real_encode = tok_mod.encode_text
@@ -164,7 +164,7 @@ def test_huge_prompts_do_not_stall_health_or_other_streams(srv):
 
 
 def test_tokenizing_here_equals_the_engine_tokenizer(srv):
-    from specrt.server.tokenize import encode_text
+    from specrt.server.prompts import encode_text
 
     tok = srv.state.engine.tokenizer
     for text in ("w5 w6 w7", "  w3\nw90 w4 ", "w5 unknown w6 é", "w1" * 50):

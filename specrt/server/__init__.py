@@ -7,7 +7,7 @@ server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus text 
 GET /openapi.json (the request schemas).
 
 Modules: app (the factory), routes (the endpoints), schemas (pydantic request models),
-parse + tokenize (body -> ParsedRequest with token ids, on a small thread pool), runner (the
+parse + prompts (body -> ParsedRequest with token ids, on a small thread pool), runner (the
 one thread that steps the engine), responses (JSON and server-sent events), middleware (API
 key, request cap, counters), serve (the command line).
 

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from specrt.config import SamplingParams
 from specrt.server.errors import APIError, bad, show, type_name
 from specrt.server.schemas import ChatCompletionRequest, CompletionRequest, api_error
-from specrt.server.tokenize import prompt_token_ids
+from specrt.server.prompts import prompt_token_ids
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
