@@ -1,7 +1,8 @@
 """User-facing configuration: SamplingParams (per request) and SpecConfig (per engine).
 
-Both validate on construction and raise ValueError naming the field, so a bad
-request is refused before it reaches the scheduler.
+Both validate every field on construction and raise ValueError naming the field, so a bad
+value is refused where it is given, before it reaches the scheduler or a kernel. The ranges
+fit the kernels' types: top_k and token counts are int32 on the device, seeds int64.
 """
 from __future__ import annotations
 
@@ -10,20 +11,43 @@ from dataclasses import dataclass, field
 
 POLICIES = ("fixed", "confidence", "head", "budget")
 ACCEPTANCE_METHODS = ("rejection", "coupled")
-_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+INT32_MAX = 2 ** 31 - 1
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+TEMPERATURE_MAX = 100.0         # far past uniform for any real logits; larger values are typos
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024           # per stop string (the server holds back this many characters)
+MAX_DRAFT_LENGTH = 64
+MAX_BATCH_SIZE = 65536
+MAX_BLOCK_SIZE = 1024
+MAX_ACCEPTANCE_WINDOW = 65536
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value, lo: int, hi: int, note: str = "") -> None:
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}]{note}, got {value!r:.60}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r:.60}")
+
+
 @dataclass
 class SamplingParams:
     """How one request samples. temperature 0 is greedy (top_k/top_p then do nothing).
 
-    top_k 0 (or -1) disables top-k; top_p 1.0 disables top-p. seed None draws a
-    seed once at admission; a fixed seed makes the output reproducible
-    (token-identical to autoregressive sampling under ``acceptance="coupled"``).
+    top_k 0 (or -1) disables top-k; a top_k at or above the vocabulary size keeps every token,
+    the same as 0 (the kernels' contract), so any value up to 2**31 - 1 is accepted. top_p 1.0
+    disables top-p. seed None draws a seed once at admission; a fixed seed makes the output
+    reproducible (token-identical to autoregressive sampling under ``acceptance="coupled"``).
     """
 
     temperature: float = 1.0
@@ -36,33 +60,38 @@ class SamplingParams:
     stop: list[str] | str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= TEMPERATURE_MAX:
+            raise ValueError(f"temperature must be a finite number in [0, {TEMPERATURE_MAX:g}] (0 = greedy), "
+                             f"got {t!r:.60}")
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r:.60}")
+        _check_int("top_k", self.top_k, -1, INT32_MAX, " (0 or -1 disables it)")
         if self.top_k == -1:
             self.top_k = 0
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not (0 <= self.min_tokens <= self.max_tokens):
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not (_INT64_MIN <= self.seed <= _INT64_MAX)):
-            raise ValueError(f"seed must be None or a 64-bit integer, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is None:
-            self.stop = []
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, " (at most max_tokens)")
+        _check_bool("ignore_eos", self.ignore_eos)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX, " (a 64-bit integer, or None)")
+        self.stop = self._check_stop(self.stop)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+
+    @staticmethod
+    def _check_stop(stop) -> list[str]:
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is None:
+            return []
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r:.80}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        return stop
 
     @property
     def greedy(self) -> bool:
@@ -80,6 +109,8 @@ class SpecConfig:
     draft tokens by expected accepted tokens per unit of measured cost).
     acceptance: "rejection" (optimal acceptance rate) or "coupled" (output
     token-identical to autoregressive sampling with the same seed).
+    max_model_len: None (the models' own context) or a cap of at least 2 tokens (one prompt
+    token and one generated token).
     """
 
     min_draft_length: int = 0
@@ -98,29 +129,32 @@ class SpecConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("min_draft_length", "max_draft_length", "acceptance_window", "max_batch_size", "block_size"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if self.max_draft_length > 64:
-            raise ValueError(f"max_draft_length must be <= 64, got {self.max_draft_length}")
-        if self.min_draft_length > self.max_draft_length:
-            raise ValueError(f"min_draft_length ({self.min_draft_length}) must be <= max_draft_length "
-                             f"({self.max_draft_length})")
-        if self.acceptance_window < 1:
-            raise ValueError("acceptance_window must be >= 1")
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size must be >= 1")
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if not (0.0 <= float(self.confidence_threshold) <= 1.0):
-            raise ValueError(f"confidence_threshold must be in [0, 1], got {self.confidence_threshold!r}")
+        _check_int("max_draft_length", self.max_draft_length, 0, MAX_DRAFT_LENGTH)
+        _check_int("min_draft_length", self.min_draft_length, 0, self.max_draft_length,
+                   " (at most max_draft_length)")
+        c = self.confidence_threshold
+        if not _is_real(c) or not math.isfinite(c) or not 0.0 <= c <= 1.0:
+            raise ValueError(f"confidence_threshold must be a number in [0, 1], got {c!r:.60}")
+        _check_int("acceptance_window", self.acceptance_window, 1, MAX_ACCEPTANCE_WINDOW)
+        for name in ("adaptive_enabled", "overlap", "prefix_sharing"):
+            _check_bool(name, getattr(self, name))
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r:.60}")
         if self.acceptance not in ACCEPTANCE_METHODS:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_METHODS}, got {self.acceptance!r}")
-        budget = self.kv_cache_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0 \
-                or (isinstance(budget, float) and budget > 1.0):
-            raise ValueError("kv_cache_budget must be a fraction in (0, 1] of free memory or a byte count (int), "
-                             f"got {budget!r}")
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_METHODS}, got {self.acceptance!r:.60}")
+        _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE)
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        self._check_budget(self.kv_cache_budget)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2, INT32_MAX, " (or None: the models' own context)")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
+
+    @staticmethod
+    def _check_budget(budget) -> None:
+        if isinstance(budget, float) and math.isfinite(budget) and 0.0 < budget <= 1.0:
+            return
+        if _is_int(budget) and 1 <= budget <= INT64_MAX:
+            return
+        raise ValueError("kv_cache_budget must be a fraction in (0, 1] of free memory (float) or a byte count "
+                         f"(int >= 1), got {budget!r:.60}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import threading
 import time
 
@@ -19,9 +18,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
+from _server_utils import LiveServer, sse as _sse  # noqa: E402
 
 from specrt.config import SamplingParams, SpecConfig  # noqa: E402
-from specrt.engine import LLM  # noqa: E402
+from specrt import LLM  # noqa: E402
 from specrt.server import build_parser, create_app, main  # noqa: E402
 
 K = 4
@@ -30,45 +30,6 @@ MAX_BODY = 64 * 1024
 PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13 w14 w15 w16", "w40", "w90 w3 w3 w3 w9",
            " ".join(f"w{3 + i % 90}" for i in range(40)), "w20 w21", "w60 w61 w62 w63", "w33 w44 w55 w66 w77"]
 REF_TOKENS = 24
-
-
-class LiveServer:
-    """uvicorn serving `app` on a free loopback port in a daemon thread."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        self.app = app
-        self.state = app.state.specrt
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        self.client = httpx.Client(base_url=self.url, timeout=60)
-
-    def close(self) -> None:
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.state.runner.stop()
-
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        """Every queued command handled and no request left in the engine."""
-        assert self.state.runner.sync(timeout)
-        deadline = time.time() + timeout
-        eng = self.state.engine
-        while (self.state.runner.num_in_flight or eng.has_unfinished()) and time.time() < deadline:
-            time.sleep(0.02)
-        assert self.state.runner.sync(timeout)
-        assert not eng.has_unfinished() and self.state.runner.num_in_flight == 0
 
 
 @pytest.fixture(scope="module")
@@ -99,23 +60,6 @@ def _completion(srv, **body):
     r = srv.client.post("/v1/completions", json={"model": "tiny", **body})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _sse(lines) -> list[dict]:
-    """Parse `data: ...` events; the stream must end with [DONE]."""
-    events, done = [], False
-    for line in lines:
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line[len("data: "):]
-        assert not done, "data after [DONE]"
-        if data == "[DONE]":
-            done = True
-            continue
-        events.append(json.loads(data))
-    assert done, "the stream did not end with data: [DONE]"
-    return events
 
 
 # ----------------------------------------------------------------------------- basic endpoints

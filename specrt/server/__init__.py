@@ -1,0 +1,38 @@
+"""OpenAI-compatible HTTP server: `specrt serve`.
+
+    specrt serve --target-model builtin --draft-model builtin --speculative-decoding --draft-length 5
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as
+server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus text 0.0.4),
+GET /openapi.json (the request schemas).
+
+Modules: app (the factory), routes (the endpoints), schemas (pydantic request models),
+parse + prompts (body -> ParsedRequest with token ids, on a small thread pool), runner (the
+one thread that steps the engine), responses (JSON and server-sent events), middleware (API
+key, request cap, counters), serve (the command line).
+
+Extensions to the OpenAI schema (all optional):
+- request: `top_k`, `min_tokens`, `ignore_eos` (vLLM-style, top level) and a `specrt`
+  object `{"tag": str, "return_token_ids": bool}`; the tag may also come from the
+  `X-Specrt-Tag` header. Tags label the Prometheus metrics (`tag="..."`).
+- response: `"specrt": {...}` with the request's speculative statistics (steps,
+  drafted/accepted tokens, acceptance per position, tokens per target forward, ...).
+"""
+from __future__ import annotations
+
+from specrt.server.serve import build_parser, engine_kwargs, main   # no fastapi needed to parse arguments
+
+_LAZY = {"create_app": "specrt.server.app", "APIError": "specrt.server.errors",
+         "EngineRunner": "specrt.server.runner", "ServerSettings": "specrt.server.settings"}
+
+
+def __getattr__(name: str):
+    # Lazy: `specrt serve` without fastapi installed gets an install hint, not an ImportError
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'specrt.server' has no attribute {name!r}")
+
+
+__all__ = ["build_parser", "engine_kwargs", "main", *_LAZY]

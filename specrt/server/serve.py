@@ -1,0 +1,196 @@
+"""`specrt serve`: command line -> engine -> app -> uvicorn.
+
+    specrt serve --target-model builtin --draft-model builtin --speculative-decoding --draft-length 5
+
+On SIGTERM (or Ctrl-C) the app drains (see app.py): it stops admitting (503), gives the
+requests in flight --drain-timeout seconds to finish, fails the rest with a final error
+event (streams still end with `data: [DONE]`), then uvicorn exits. A second Ctrl-C exits at once.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, \
+    DEFAULT_MAX_CONNECTIONS
+
+logger = logging.getLogger("specrt.server")
+INSTALL_HINT = 'pip install "specrt[serve]"'
+# uvicorn's own connection cap sits above the app's request cap, as a backstop for idle or
+# half-open connections (health and metrics requests are not counted by the app's cap)
+UVICORN_CONNECTION_HEADROOM = 64
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specrt serve", description="OpenAI-compatible server for specrt.")
+    p.add_argument("--target-model", required=True, help="HF model folder or 'builtin'")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model folder, 'builtin', 'ngram[:N[:M]]' or 'self:N' (used with --speculative-decoding)")
+    p.add_argument("--speculative-decoding", action="store_true",
+                   help="decode speculatively with the draft (without it: plain autoregressive decoding)")
+    p.add_argument("--draft-length", type=int, default=5, help="draft tokens per step (K); the max for "
+                   "adaptive policies unless --max-draft-length is given")
+    p.add_argument("--min-draft-length", type=int, default=0)
+    p.add_argument("--max-draft-length", type=int, default=None)
+    p.add_argument("--confidence-threshold", type=float, default=0.3)
+    p.add_argument("--acceptance-window", type=int, default=32)
+    p.add_argument("--adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="adapt the confidence threshold to each request's acceptance")
+    p.add_argument("--draft-policy", default="fixed", choices=["fixed", "confidence", "head", "budget"])
+    p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"])
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="pre-draft the next round while the target verifies")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $SPECRT_API_KEY)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=None, help="seed for the seeds of unseeded requests")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client has to send its whole request body (then 408, connection closed)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="concurrent requests served; more get 503 (health and metrics are always served)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt in characters, refused before tokenizing (default: 32 x max-model-len)")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, seconds the requests in flight get to finish before they are failed")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def engine_kwargs(args) -> dict:
+    """argparse namespace -> LLMEngine arguments; raises ValueError with a clear message."""
+    import torch
+
+    from specrt.config import SpecConfig
+
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    draft = None
+    if args.speculative_decoding:
+        draft = args.draft_model
+        if draft is None:
+            if args.target_model != "builtin":
+                raise ValueError("--speculative-decoding needs --draft-model "
+                                 "(a folder, 'builtin', 'ngram' or 'self:N')")
+            draft = "builtin"
+    elif args.draft_model is not None:
+        logger.warning("--draft-model is ignored without --speculative-decoding (serving plain decoding)")
+    max_k = args.max_draft_length if args.max_draft_length is not None else args.draft_length
+    spec = SpecConfig(min_draft_length=args.min_draft_length, max_draft_length=max_k,
+                      confidence_threshold=args.confidence_threshold, acceptance_window=args.acceptance_window,
+                      adaptive_enabled=args.adaptive, policy=args.draft_policy, acceptance=args.acceptance,
+                      overlap=args.overlap, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    return dict(target=args.target_model, draft=draft, spec=spec, device=args.device, dtype=dtype, seed=args.seed)
+
+
+def _check_args(args) -> str | None:
+    if args.drain_timeout < 0:
+        return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    return None
+
+
+def _missing_extras() -> str | None:
+    """The name of a missing serve dependency, or None."""
+    for name in ("fastapi", "uvicorn", "pydantic"):
+        try:
+            __import__(name)
+        except ImportError:
+            return name
+    return None
+
+
+def _build_app(args, api_key):
+    """(app, engine we own or None); ValueError for bad arguments."""
+    from specrt.server.app import create_app
+
+    kw = engine_kwargs(args)
+    engine = None
+    try:
+        if args.tensor_parallel_size > 1:   # the server spawns its own workers: no external launcher
+            from specrt.distributed import create_engine
+
+            engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
+        app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
+                         api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
+                         body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+                         max_prompt_chars=args.max_prompt_chars, drain_timeout_s=args.drain_timeout)
+    except ValueError:
+        if engine is not None:
+            engine.close()
+        raise
+    return app, engine
+
+
+def _replayed_signal(signum, frame) -> None:
+    """uvicorn re-raises the SIGTERM/SIGINT it handled once it has stopped; by then the server
+    has drained and shut down, so main() returns (exit status 0) and closes the engine."""
+
+
+def _serve(app, args) -> None:
+    import uvicorn
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.signal(sig, _replayed_signal) for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if main_thread else {}
+    try:
+        # uvicorn waits this long for open requests after a signal; the app drains within it
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=int(args.drain_timeout) + 10, access_log=args.log_level == "debug",
+                    limit_concurrency=args.max_connections + UVICORN_CONNECTION_HEADROOM)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    missing = _missing_extras()
+    if missing is not None:
+        print(f"specrt serve: the server needs {missing}, which is not installed: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    problem = "--max-body-bytes must be >= 1024" if args.max_body_bytes < 1024 else _check_args(args)
+    if problem:
+        print(f"specrt serve: {problem}", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get("SPECRT_API_KEY") or None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    try:
+        app, engine = _build_app(args, api_key)
+    except ValueError as e:
+        print(f"specrt serve: {e}", file=sys.stderr)
+        return 2
+    state = app.state.specrt
+    eng = state.engine
+    logger.info("engine ready in %.1fs (speculative=%s, draft=%s, K=%d, policy=%s, acceptance=%s); "
+                "serving '%s' on http://%s:%d", time.perf_counter() - t0, eng.speculative, eng.draft_kind,
+                eng.spec.max_draft_length, eng.spec.policy, eng.spec.acceptance, state.model_name,
+                args.host, args.port)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("binding to %s without --api-key: anyone who can reach this address can use the server",
+                       args.host)
+    try:
+        _serve(app, args)
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0

@@ -1,0 +1,71 @@
+"""Helpers shared by the server tests: a live uvicorn server on a free loopback port, SSE parsing."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free loopback port in a daemon thread."""
+
+    def __init__(self, app, **uvicorn_kw):
+        import uvicorn
+
+        self.port = free_port()
+        self.app = app
+        self.state = app.state.specrt
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **uvicorn_kw)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.time() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def close(self) -> None:
+        self.client.close()
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.state.runner.stop()
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Every queued command handled and no request left in the engine."""
+        assert self.state.runner.sync(timeout)
+        deadline = time.time() + timeout
+        eng = self.state.engine
+        while (self.state.runner.num_in_flight or eng.has_unfinished()) and time.time() < deadline:
+            time.sleep(0.02)
+        assert self.state.runner.sync(timeout)
+        assert not eng.has_unfinished() and self.state.runner.num_in_flight == 0
+
+
+def sse(lines) -> list[dict]:
+    """Parse `data: ...` events; the stream must end with [DONE]."""
+    events, done = [], False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        assert not done, "data after [DONE]"
+        if data == "[DONE]":
+            done = True
+            continue
+        events.append(json.loads(data))
+    assert done, "the stream did not end with data: [DONE]"
+    return events
