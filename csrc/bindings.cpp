@@ -1,92 +1,29 @@
-// specrt._C: argument checks and CPU/CUDA dispatch for every op.
+// specrt's torch ops: schemas (torch.library, namespace specrt), the op bodies
+// shared by every backend, the CPU registrations, and the small pybind11
+// module specrt._C whose import loads them all.
 //
-// Every check names the argument and says what was expected, and raises a
-// Python exception (TORCH_CHECK_VALUE -> ValueError, TORCH_CHECK_TYPE ->
-// TypeError) instead of letting a kernel touch memory it should not.
+// An op body validates every argument and names it in the error (checks.h),
+// allocates the outputs and calls the backend kernel it was given (ops.h).
 // Value checks (NaN, negative probabilities, token ids, mapping ranges) read
-// the data: on CPU tensors they are cheap and always on unless the caller
-// passes check_values=False; on CUDA tensors they would need a device->host
-// sync, so specrt/ops.py enables them there only in debug mode.
-#include <ATen/Parallel.h>
+// the data: specrt/ops.py asks for them on CPU tensors unless the caller
+// passes check_values=False, and on CUDA tensors only in debug mode (each
+// costs a device->host sync). Fake kernels live in specrt/ops.py.
 #include <torch/extension.h>
+#include <torch/library.h>
 
+#include <cmath>
 #include <set>
 #include <string>
 
+#include "checks.h"
 #include "ops.h"
 #include "specrt/philox.h"
 #include "specrt/sampling.h"
 
 namespace specrt {
-namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
-                  const at::Device& device) {
-  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", c10::toString(dtype), ", got ",
-                   c10::toString(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
-  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device.str(), " (like the other inputs), got ",
-                    t.device().str());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what) {
-  TORCH_CHECK_VALUE(t.size(dim) == expected, name, " must have size ", expected, " (", what, ") in dim ", dim,
-                    ", got shape ", shape_str(t));
-}
-
-// Host copy of a tensor for value checks (a sync for CUDA tensors: only in debug mode).
-at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
-
-void check_probs_values(const at::Tensor& probs, const char* name) {
-  const at::Tensor h = host(probs);
-  const float* data = h.data_ptr<float>();
-  const int64_t n = h.numel();
-  const int64_t bad = at::parallel_reduce(
-      0, n, 1 << 16, n,
-      [&](int64_t lo, int64_t hi, int64_t found) {
-        for (int64_t i = lo; i < hi && i < found; ++i)
-          if (!(data[i] >= 0.0f) || data[i] == INFINITY) return i;
-        return found;
-      },
-      [](int64_t a, int64_t b) { return std::min(a, b); });
-  TORCH_CHECK_VALUE(bad == n, name, " must hold finite non-negative probabilities; element ", bad,
-                    " (flat index) is ", data[bad < n ? bad : 0]);
-}
-
-void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab) {
-  const at::Tensor ids = host(draft_token_ids);
-  const at::Tensor counts = host(num_draft_tokens);
-  const int64_t batch = ids.size(0);
-  const int64_t k = ids.size(1);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int32_t n = counts.data_ptr<int32_t>()[b];
-    TORCH_CHECK_VALUE(n >= 0 && n <= k, "num_draft_tokens[", b, "] = ", n, " must be in [0, K=", k, "]");
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t x = ids.data_ptr<int32_t>()[b * k + i];
-      TORCH_CHECK_VALUE(x >= 0 && x < vocab, "draft_token_ids[", b, ", ", i, "] = ", x,
-                        " is out of range for vocabulary size ", vocab);
-    }
-  }
-}
-
-void check_positions(const at::Tensor& positions) {
-  const at::Tensor h = host(positions);
-  for (int64_t i = 0; i < h.numel(); ++i)
-    TORCH_CHECK_VALUE(h.data_ptr<int64_t>()[i] >= 0, "positions[", i, "] = ", h.data_ptr<int64_t>()[i],
-                      " must be >= 0");
-}
-
-// ----------------------------------------------------------------------------
-at::Tensor probs_from_logits(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                             const at::Tensor& top_p, bool check_values) {
+at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                                const at::Tensor& top_p, bool check_values, ProbsFromLogitsKernel kernel) {
   TORCH_CHECK_VALUE(logits.defined(), "logits must be a tensor, got None");
   const at::Device device = logits.device();
   check_tensor(logits, "logits", at::kFloat, 2, device);
@@ -112,20 +49,14 @@ at::Tensor probs_from_logits(const at::Tensor& logits, const at::Tensor& tempera
     }
   }
   at::Tensor probs = at::empty_like(logits);
-  if (rows == 0) return probs;
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    probs_from_logits_cuda(logits, temperature, top_k, top_p, probs);
-    return probs;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "logits is on ", device.str(), " but this build of specrt has no kernels for it");
-  probs_from_logits_cpu(logits, temperature, top_k, top_p, probs);
+  if (rows > 0) kernel(logits, temperature, top_k, top_p, probs);
   return probs;
 }
 
-std::tuple<at::Tensor, at::Tensor> verify_greedy(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
-                                                 const at::Tensor& num_draft_tokens, bool check_values) {
+std::tuple<at::Tensor, at::Tensor> verify_greedy_op(const at::Tensor& target_logits,
+                                                    const at::Tensor& draft_token_ids,
+                                                    const at::Tensor& num_draft_tokens, bool check_values,
+                                                    VerifyGreedyKernel kernel) {
   TORCH_CHECK_VALUE(target_logits.defined(), "target_logits must be a tensor, got None");
   const at::Device device = target_logits.device();
   check_tensor(target_logits, "target_logits", at::kFloat, 3, device);
@@ -142,24 +73,16 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy(const at::Tensor& target_logits
   if (check_values) check_draft_values(draft_token_ids, num_draft_tokens, vocab);
   at::Tensor out = at::empty({batch, k1}, target_logits.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_logits.options().dtype(at::kInt));
-  if (batch == 0) return {out, n_acc};
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    verify_greedy_cuda(target_logits, draft_token_ids, num_draft_tokens, out, n_acc);
-    return {out, n_acc};
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "target_logits is on ", device.str(), " but this build of specrt has no kernels for it");
-  verify_greedy_cpu(target_logits, draft_token_ids, num_draft_tokens, out, n_acc);
+  if (batch > 0) kernel(target_logits, draft_token_ids, num_draft_tokens, out, n_acc);
   return {out, n_acc};
 }
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_probs,
-                                                    const std::optional<at::Tensor>& draft_probs,
-                                                    const at::Tensor& draft_token_ids,
-                                                    const at::Tensor& num_draft_tokens, const at::Tensor& seeds,
-                                                    const at::Tensor& positions, const std::string& method,
-                                                    bool check_values) {
+std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_probs,
+                                                       const std::optional<at::Tensor>& draft_probs,
+                                                       const at::Tensor& draft_token_ids,
+                                                       const at::Tensor& num_draft_tokens, const at::Tensor& seeds,
+                                                       const at::Tensor& positions, const std::string& method,
+                                                       bool check_values, RejectionSampleKernel kernel) {
   TORCH_CHECK_VALUE(method == "rejection" || method == "coupled", "method must be 'rejection' or 'coupled', got '",
                     method, "'");
   TORCH_CHECK_VALUE(target_probs.defined(), "target_probs must be a tensor, got None");
@@ -186,30 +109,23 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_pro
   check_size(seeds, "seeds", 0, batch, "B of target_probs");
   check_tensor(positions, "positions", at::kLong, 1, device);
   check_size(positions, "positions", 0, batch, "B of target_probs");
+  const bool coupled = method == "coupled";
   if (check_values) {
     check_probs_values(target_probs, "target_probs");
-    if (draft_probs.has_value() && method == "rejection") check_probs_values(*draft_probs, "draft_probs");
+    if (draft_probs.has_value() && !coupled) check_probs_values(*draft_probs, "draft_probs");
     check_draft_values(draft_token_ids, num_draft_tokens, vocab);
     check_positions(positions);
   }
-  const AcceptMethod m = method == "coupled" ? AcceptMethod::kCoupled : AcceptMethod::kRejection;
   at::Tensor out = at::empty({batch, k1}, target_probs.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_probs.options().dtype(at::kInt));
-  if (batch == 0) return {out, n_acc};
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    rejection_sample_cuda(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions, m, out,
-                          n_acc);
-    return {out, n_acc};
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "target_probs is on ", device.str(), " but this build of specrt has no kernels for it");
-  rejection_sample_cpu(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions, m, out, n_acc);
+  if (batch > 0)
+    kernel(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions,
+           coupled ? AcceptMethod::kCoupled : AcceptMethod::kRejection, out, n_acc);
   return {out, n_acc};
 }
 
-at::Tensor sample_tokens(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
-                         int64_t purpose, bool check_values) {
+at::Tensor sample_tokens_op(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
+                            int64_t purpose, bool check_values, SampleTokensKernel kernel) {
   TORCH_CHECK_VALUE(purpose >= kPurposeDraft && purpose <= kPurposeTarget, "purpose must be 1..4, got ", purpose);
   TORCH_CHECK_VALUE(probs.defined(), "probs must be a tensor, got None");
   const at::Device device = probs.device();
@@ -226,28 +142,12 @@ at::Tensor sample_tokens(const at::Tensor& probs, const at::Tensor& seeds, const
     check_positions(positions);
   }
   at::Tensor tokens = at::empty({rows}, probs.options().dtype(at::kInt));
-  if (rows == 0) return tokens;
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    sample_tokens_cuda(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);
-    return tokens;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "probs is on ", device.str(), " but this build of specrt has no kernels for it");
-  sample_tokens_cpu(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);
+  if (rows > 0) kernel(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);
   return tokens;
 }
 
-void check_cache(const at::Tensor& cache, const std::string& name, const at::Device& device) {
-  TORCH_CHECK_VALUE(cache.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(cache.dim() == 6, name,
-                    " must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], got shape ", shape_str(cache));
-  TORCH_CHECK_VALUE(cache.size(1) == 2, name, " dim 1 must be 2 (keys, values), got shape ", shape_str(cache));
-  TORCH_CHECK_VALUE(cache.device() == device, name, " must be on ", device.str(), ", got ", cache.device().str());
-  TORCH_CHECK_VALUE(cache.is_contiguous(), name, " must be contiguous");
-}
-
-void copy_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block_mapping, bool check_values) {
+void copy_blocks_op(at::TensorList caches, const at::Tensor& block_mapping, bool check_values,
+                    CopyBlocksKernel kernel) {
   TORCH_CHECK_VALUE(!caches.empty(), "caches must be a non-empty list of cache tensors");
   TORCH_CHECK_VALUE(caches.size() <= 8, "caches: at most 8 caches per call, got ", caches.size());
   const at::Device device = caches[0].device();
@@ -281,22 +181,11 @@ void copy_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block_
       TORCH_CHECK_VALUE(!srcs.count(d), "block_mapping: block ", d,
                         " is both a source and a destination (the copy order would matter)");
   }
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    // H2D copy of the (small) mapping through pinned memory: asynchronous.
-    const at::Tensor mapping = block_mapping.device() == device
-                                   ? block_mapping
-                                   : block_mapping.pin_memory().to(device, /*non_blocking=*/true);
-    copy_blocks_cuda(caches, mapping);
-    return;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "caches are on ", device.str(), " but this build of specrt has no kernels for it");
-  copy_blocks_cpu(caches, block_mapping);
+  kernel(caches.vec(), block_mapping);
 }
 
-void write_kv(at::Tensor cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_mapping, bool check_values) {
+void write_kv_op(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& slot_mapping, bool check_values, WriteKvKernel kernel) {
   TORCH_CHECK_VALUE(cache.defined(), "cache must be a tensor, got None");
   const at::Device device = cache.device();
   check_cache(cache, "cache", device);
@@ -322,15 +211,11 @@ void write_kv(at::Tensor cache, int64_t layer, const at::Tensor& k, const at::Te
       TORCH_CHECK_VALUE(s < 0 || seen.insert(s).second, "slot_mapping has duplicate slot ", s);
     }
   }
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    write_kv_cuda(cache, layer, k, v, slot_mapping);
-    return;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "cache is on ", device.str(), " but this build of specrt has no kernels for it");
-  write_kv_cpu(cache, layer, k, v, slot_mapping);
+  at::Tensor out = cache;
+  kernel(out, layer, k, v, slot_mapping);
 }
+
+namespace {
 
 // ---- testing hooks: the shared header's random numbers, for KAT and
 // reference-parity tests ------------------------------------------------------
@@ -343,8 +228,9 @@ std::vector<int64_t> philox(std::vector<int64_t> counter, std::vector<int64_t> k
   return {r.v[0], r.v[1], r.v[2], r.v[3]};
 }
 
-at::Tensor uniform_noise(const at::Tensor& seeds, const at::Tensor& positions, int64_t purpose,
-                         const at::Tensor& index) {
+at::Tensor uniform_noise_cpu(const at::Tensor& seeds, const at::Tensor& positions, int64_t purpose,
+                             const at::Tensor& index) {
+  TORCH_CHECK_VALUE(purpose >= kPurposeDraft && purpose <= kPurposeTarget, "purpose must be 1..4, got ", purpose);
   check_tensor(seeds, "seeds", at::kLong, 1, at::Device(at::kCPU));
   check_tensor(positions, "positions", at::kLong, 1, at::Device(at::kCPU));
   check_tensor(index, "index", at::kLong, 1, at::Device(at::kCPU));
@@ -358,7 +244,7 @@ at::Tensor uniform_noise(const at::Tensor& seeds, const at::Tensor& positions, i
   return out;
 }
 
-at::Tensor log_det_tensor(const at::Tensor& x) {
+at::Tensor log_det_cpu(const at::Tensor& x) {
   check_tensor(x, "x", at::kFloat, 1, at::Device(at::kCPU));
   at::Tensor out = at::empty_like(x);
   for (int64_t i = 0; i < x.numel(); ++i) out.data_ptr<float>()[i] = log_det(x.data_ptr<float>()[i]);
@@ -376,25 +262,73 @@ bool cuda_built() {
 }  // namespace
 }  // namespace specrt
 
+// Schemas: one per op; mutated arguments are marked (a!). specrt/ops.py holds
+// the documented Python wrappers and the fake (meta) kernels.
+TORCH_LIBRARY_FRAGMENT(specrt, m) {
+  m.def("probs_from_logits(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+        "bool check_values=True) -> Tensor");
+  m.def("verify_greedy(Tensor target_logits, Tensor draft_token_ids, Tensor num_draft_tokens, "
+        "bool check_values=True) -> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def("rejection_sample(Tensor target_probs, Tensor? draft_probs, Tensor draft_token_ids, "
+        "Tensor num_draft_tokens, Tensor seeds, Tensor positions, str method=\"rejection\", "
+        "bool check_values=True) -> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def("sample_tokens(Tensor probs, Tensor seeds, Tensor positions, int purpose=4, "
+        "bool check_values=True) -> Tensor");
+  m.def("copy_blocks(Tensor(a!)[] caches, Tensor block_mapping, bool check_values=True) -> ()");
+  m.def("write_kv(Tensor(a!) cache, int layer, Tensor k, Tensor v, Tensor slot_mapping, "
+        "bool check_values=True) -> ()");
+  m.def("uniform_noise(Tensor seeds, Tensor positions, int purpose, Tensor index) -> Tensor");
+  m.def("log_det(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specrt, CPU, m) {
+  using at::Tensor;
+  using specrt::AcceptMethod;
+  m.impl("probs_from_logits",
+         [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p, bool check) {
+           return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, check,
+                                               &specrt::probs_from_logits_cpu);
+         });
+  m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
+                             const Tensor& num_draft_tokens, bool check) {
+    return specrt::verify_greedy_op(target_logits, draft_token_ids, num_draft_tokens, check,
+                                    &specrt::verify_greedy_cpu);
+  });
+  m.impl("rejection_sample",
+         [](const Tensor& target_probs, const std::optional<Tensor>& draft_probs, const Tensor& draft_token_ids,
+            const Tensor& num_draft_tokens, const Tensor& seeds, const Tensor& positions, std::string method,
+            bool check) {
+           return specrt::rejection_sample_op(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds,
+                                              positions, method, check, &specrt::rejection_sample_cpu);
+         });
+  m.impl("sample_tokens",
+         [](const Tensor& probs, const Tensor& seeds, const Tensor& positions, int64_t purpose, bool check) {
+           return specrt::sample_tokens_op(probs, seeds, positions, purpose, check, &specrt::sample_tokens_cpu);
+         });
+  m.impl("copy_blocks", [](at::TensorList caches, const Tensor& block_mapping, bool check) {
+    specrt::copy_blocks_op(caches, block_mapping, check, &specrt::copy_blocks_cpu);
+  });
+  m.impl("write_kv", [](const Tensor& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                        const Tensor& slot_mapping, bool check) {
+    specrt::write_kv_op(cache, layer, k, v, slot_mapping, check, &specrt::write_kv_cpu);
+  });
+  m.impl("uniform_noise", &specrt::uniform_noise_cpu);
+  m.impl("log_det", &specrt::log_det_cpu);
+}
+
+// Sampling is not differentiable: outputs never require grad, whatever the
+// inputs (the mutating KV ops keep the default fallback, which tracks versions).
+TORCH_LIBRARY_IMPL(specrt, Autograd, m) {
+  for (const char* op : {"probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "uniform_noise",
+                         "log_det"})
+    m.impl(op, torch::CppFunction::makeFallthrough());
+}
+
+// Not tensor ops: build facts and the Philox known-answer hook. Importing this
+// module loads the library above (specrt/ops.py is its only importer).
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
-  m.doc() = "specrt compiled kernels; use specrt.ops, not this module";
-  m.def("probs_from_logits", &specrt::probs_from_logits, py::arg("logits"), py::arg("temperature"), py::arg("top_k"),
-        py::arg("top_p"), py::arg("check_values") = true);
-  m.def("verify_greedy", &specrt::verify_greedy, py::arg("target_logits"), py::arg("draft_token_ids"),
-        py::arg("num_draft_tokens"), py::arg("check_values") = true);
-  m.def("rejection_sample", &specrt::rejection_sample, py::arg("target_probs"), py::arg("draft_probs"),
-        py::arg("draft_token_ids"), py::arg("num_draft_tokens"), py::arg("seeds"), py::arg("positions"),
-        py::arg("method") = "rejection", py::arg("check_values") = true);
-  m.def("sample_tokens", &specrt::sample_tokens, py::arg("probs"), py::arg("seeds"), py::arg("positions"),
-        py::arg("purpose") = static_cast<int64_t>(specrt::kPurposeTarget), py::arg("check_values") = true);
-  m.def("copy_blocks", &specrt::copy_blocks, py::arg("caches"), py::arg("block_mapping"),
-        py::arg("check_values") = true);
-  m.def("write_kv", &specrt::write_kv, py::arg("cache"), py::arg("layer"), py::arg("k"), py::arg("v"),
-        py::arg("slot_mapping"), py::arg("check_values") = true);
+  m.doc() = "specrt compiled kernels (registered as torch.ops.specrt.*); use specrt.ops, not this module";
   m.def("philox4x32_10", &specrt::philox, py::arg("counter"), py::arg("key"));
-  m.def("uniform", &specrt::uniform_noise, py::arg("seeds"), py::arg("positions"), py::arg("purpose"),
-        py::arg("index"));
-  m.def("log_det", &specrt::log_det_tensor, py::arg("x"));
   m.def("cuda_built", &specrt::cuda_built);
 }
