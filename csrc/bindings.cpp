@@ -31,25 +31,26 @@ at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temp
   TORCH_CHECK_VALUE(logits.size(1) > 0, "logits must have a non-empty vocabulary dimension, got shape ",
                     shape_str(logits));
   check_tensor(temperature, "temperature", at::kFloat, 1, device);
-  check_tensor(top_k, "top_k", at::kInt, 1, device);
+  check_int_arg(top_k, "top_k", 1, device);
   check_tensor(top_p, "top_p", at::kFloat, 1, device);
   check_size(temperature, "temperature", 0, rows, "rows of logits");
   check_size(top_k, "top_k", 0, rows, "rows of logits");
   check_size(top_p, "top_p", 0, rows, "rows of logits");
   if (check_values) {
-    const at::Tensor t = host(temperature), k = host(top_k), p = host(top_p);
+    const at::Tensor t = host(temperature), k = wide_host(top_k), p = host(top_p);
     for (int64_t r = 0; r < rows; ++r) {
       const float tv = t.data_ptr<float>()[r];
       TORCH_CHECK_VALUE(std::isfinite(tv) && tv >= 0.0f, "temperature[", r, "] = ", tv,
                         " must be finite and >= 0 (0 means greedy)");
-      TORCH_CHECK_VALUE(k.data_ptr<int32_t>()[r] >= 0, "top_k[", r, "] = ", k.data_ptr<int32_t>()[r],
-                        " must be >= 0 (0 disables top-k)");
+      const int64_t kv = k.data_ptr<int64_t>()[r];
+      TORCH_CHECK_VALUE(kv >= 0, "top_k[", r, "] = ", kv, " must be >= 0 (0 disables top-k)");
+      TORCH_CHECK_VALUE(kv <= INT32_MAX, "top_k[", r, "] = ", kv, " must be <= 2^31 - 1 (0 disables top-k)");
       const float pv = p.data_ptr<float>()[r];
       TORCH_CHECK_VALUE(pv > 0.0f && pv <= 1.0f, "top_p[", r, "] = ", pv, " must be in (0, 1] (1 disables top-p)");
     }
   }
   at::Tensor probs = at::empty_like(logits);
-  if (rows > 0) kernel(logits, temperature, top_k, top_p, probs);
+  if (rows > 0) kernel(logits, temperature, saturate_int32(top_k), top_p, probs);
   return probs;
 }
 
@@ -65,15 +66,16 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy_op(const at::Tensor& target_log
   const int64_t vocab = target_logits.size(2);
   TORCH_CHECK_VALUE(k1 >= 1 && vocab >= 1, "target_logits must be [B, K+1, V] with K+1 >= 1 and V >= 1, got ",
                     shape_str(target_logits));
-  check_tensor(draft_token_ids, "draft_token_ids", at::kInt, 2, device);
-  check_tensor(num_draft_tokens, "num_draft_tokens", at::kInt, 1, device);
+  check_int_arg(draft_token_ids, "draft_token_ids", 2, device);
+  check_int_arg(num_draft_tokens, "num_draft_tokens", 1, device);
   check_size(draft_token_ids, "draft_token_ids", 0, batch, "B of target_logits");
   check_size(draft_token_ids, "draft_token_ids", 1, k1 - 1, "K = target_logits.shape[1] - 1");
   check_size(num_draft_tokens, "num_draft_tokens", 0, batch, "B of target_logits");
   if (check_values) check_draft_values(draft_token_ids, num_draft_tokens, vocab);
   at::Tensor out = at::empty({batch, k1}, target_logits.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_logits.options().dtype(at::kInt));
-  if (batch > 0) kernel(target_logits, draft_token_ids, num_draft_tokens, out, n_acc);
+  if (batch > 0)
+    kernel(target_logits, saturate_int32(draft_token_ids), saturate_int32(num_draft_tokens), out, n_acc);
   return {out, n_acc};
 }
 
@@ -100,10 +102,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_
     check_size(*draft_probs, "draft_probs", 1, k1 - 1, "K = target_probs.shape[1] - 1");
     check_size(*draft_probs, "draft_probs", 2, vocab, "V of target_probs");
   }
-  check_tensor(draft_token_ids, "draft_token_ids", at::kInt, 2, device);
+  check_int_arg(draft_token_ids, "draft_token_ids", 2, device);
   check_size(draft_token_ids, "draft_token_ids", 0, batch, "B of target_probs");
   check_size(draft_token_ids, "draft_token_ids", 1, k1 - 1, "K = target_probs.shape[1] - 1");
-  check_tensor(num_draft_tokens, "num_draft_tokens", at::kInt, 1, device);
+  check_int_arg(num_draft_tokens, "num_draft_tokens", 1, device);
   check_size(num_draft_tokens, "num_draft_tokens", 0, batch, "B of target_probs");
   check_tensor(seeds, "seeds", at::kLong, 1, device);
   check_size(seeds, "seeds", 0, batch, "B of target_probs");
@@ -119,8 +121,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_
   at::Tensor out = at::empty({batch, k1}, target_probs.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_probs.options().dtype(at::kInt));
   if (batch > 0)
-    kernel(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions,
-           coupled ? AcceptMethod::kCoupled : AcceptMethod::kRejection, out, n_acc);
+    kernel(target_probs, draft_probs, saturate_int32(draft_token_ids), saturate_int32(num_draft_tokens), seeds,
+           positions, coupled ? AcceptMethod::kCoupled : AcceptMethod::kRejection, out, n_acc);
   return {out, n_acc};
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace specrt {
 
@@ -32,7 +33,28 @@ void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expe
                     ", got shape ", shape_str(t));
 }
 
+void check_int_arg(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
+  TORCH_CHECK_TYPE(at::isIntegralType(t.scalar_type(), /*includeBool=*/false), name,
+                   " must be an integer tensor, got ", c10::toString(t.scalar_type()));
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device.str(), " (like the other inputs), got ",
+                    t.device().str());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
 at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
+
+at::Tensor wide_host(const at::Tensor& t) { return host(t).to(at::kLong).contiguous(); }
+
+at::Tensor saturate_int32(const at::Tensor& t) {
+  if (t.scalar_type() == at::kInt) return t;
+  // Device work only (no sync): safe on the CUDA hot path and under graph capture.
+  return t.to(at::kLong)
+      .clamp(std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max())
+      .to(at::kInt)
+      .contiguous();
+}
 
 void check_probs_values(const at::Tensor& probs, const char* name) {
   const at::Tensor h = host(probs);
@@ -51,15 +73,15 @@ void check_probs_values(const at::Tensor& probs, const char* name) {
 }
 
 void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab) {
-  const at::Tensor ids = host(draft_token_ids);
-  const at::Tensor counts = host(num_draft_tokens);
+  const at::Tensor ids = wide_host(draft_token_ids);
+  const at::Tensor counts = wide_host(num_draft_tokens);
   const int64_t batch = ids.size(0);
   const int64_t k = ids.size(1);
   for (int64_t b = 0; b < batch; ++b) {
-    const int32_t n = counts.data_ptr<int32_t>()[b];
+    const int64_t n = counts.data_ptr<int64_t>()[b];
     TORCH_CHECK_VALUE(n >= 0 && n <= k, "num_draft_tokens[", b, "] = ", n, " must be in [0, K=", k, "]");
     for (int64_t i = 0; i < n; ++i) {
-      const int32_t x = ids.data_ptr<int32_t>()[b * k + i];
+      const int64_t x = ids.data_ptr<int64_t>()[b * k + i];
       TORCH_CHECK_VALUE(x >= 0 && x < vocab, "draft_token_ids[", b, ", ", i, "] = ", x,
                         " is out of range for vocabulary size ", vocab);
     }

@@ -21,12 +21,21 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
                   const at::Device& device);
 void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what);
 
+// An integer argument the kernels read as int32: any integer dtype but bool
+// (TypeError otherwise), dim, device, contiguity. Run the value checks on the
+// wide values (`wide_host`) first: they name the real value. The int32 copy
+// handed to the kernel saturates values outside int32, which the kernels treat
+// as invalid (an id >= V is rejected, a count > K clamped, a top_k >= V off).
+void check_int_arg(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device);
+at::Tensor wide_host(const at::Tensor& t);          // int64 copy on the host (a sync for CUDA tensors)
+at::Tensor saturate_int32(const at::Tensor& t);     // no copy when already int32
+
 // Host copy for value checks (a sync for CUDA tensors).
 at::Tensor host(const at::Tensor& t);
 
 // Finite and >= 0 everywhere.
 void check_probs_values(const at::Tensor& probs, const char* name);
-// num_draft_tokens[b] in [0, K] and draft_token_ids[b, :n] in [0, vocab).
+// num_draft_tokens[b] in [0, K] and draft_token_ids[b, :n] in [0, vocab), on the wide values.
 void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab);
 void check_positions(const at::Tensor& positions);
 // A KV cache [layers, 2, num_blocks, block_size, kv_heads, head_dim] on `device`.

@@ -10,7 +10,8 @@ can be checked without reading data, and call the op.
 Shapes: B requests, K = max draft tokens this step, V vocabulary, N rows.
 Token outputs are int32, padded with -1. Every op checks its arguments and
 raises ``ValueError`` (or ``TypeError`` for a wrong type or dtype) naming the
-argument.
+argument. Integer arguments may have any integer dtype: values are
+range-checked before the kernels narrow them to int32.
 
 Value checks (NaN or negative probabilities, out-of-range token ids, block
 and slot ranges) read the data. On CPU tensors
@@ -18,7 +19,7 @@ they always run unless ``check_values=False``; on CUDA tensors they would cost
 a device->host sync on the hot path, so they run only in debug mode
 (``set_debug_checks(True)`` or ``SPECRT_DEBUG_CHECKS=1``). Without them the
 kernels still never read or write out of bounds: bad ids are treated as
-rejected and bad slots skipped.
+rejected, bad slots skipped, and integers outside int32 saturate.
 
 Randomness (DESIGN.md section 3): every random number is a pure function of
 ``(seed, absolute position, purpose, index)`` through Philox4x32-10, so
@@ -85,16 +86,23 @@ def _has_kernels(t: torch.Tensor, name: str) -> None:
 
 
 def _as(t, name: str, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """Accept Python lists / other integer or float dtypes for small per-row vectors."""
+    """Accept Python lists / other integer or float dtypes for small per-row vectors.
+
+    Integers stay in their dtype when the op reads int32: the op range-checks them
+    before narrowing (a silent int64 -> int32 wrap would change the value)."""
     if t is None:
         raise ValueError(f"{name} must be a tensor, got None")
     if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)
-    if t.is_floating_point() != dtype.is_floating_point:
-        kind = "a floating-point" if dtype.is_floating_point else "an integer"
-        raise TypeError(f"{name} must be {kind} tensor ({dtype}), got {t.dtype}")
+        try:
+            t = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise ValueError(f"{name} must be a tensor or a list of numbers: {exc}") from None
+    if dtype.is_floating_point and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor ({dtype}), got {t.dtype}")
+    if not dtype.is_floating_point and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor ({dtype}), got {t.dtype}")
     _same_device(t, name, like)
-    return t.to(dtype).contiguous()
+    return (t if dtype == torch.int32 else t.to(dtype)).contiguous()
 
 
 def _float_input(t, name: str) -> torch.Tensor:

@@ -151,6 +151,21 @@ def test_probs_from_logits_cuda_matches_cpu(n, v):
         assert torch.equal(got[onehot], want[onehot]), "one-hot rows must be identical"
 
 
+def test_cuda_ops_check_devices_and_wide_integers():
+    """Mixed devices are named; int64 ids/counts are range-checked (debug) or saturated (not wrapped)."""
+    logits = torch.tensor([[[0.0, 9.0, 1.0], [0.0, 0.0, 9.0]]], device=DEV)
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be on cuda"):
+        ops.verify_greedy(logits, torch.tensor([[1]], device=DEV), torch.tensor([1]))
+    out, acc = ops.verify_greedy(logits, torch.tensor([[2**32 + 1]], device=DEV), torch.tensor([1], device=DEV))
+    assert acc.tolist() == [0] and out.tolist() == [[1, -1]]
+    ops.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"draft_token_ids\[0, 0\] = 4294967297"):
+            ops.verify_greedy(logits, torch.tensor([[2**32 + 1]], device=DEV), torch.tensor([1], device=DEV))
+    finally:
+        ops.set_debug_checks(False)
+
+
 # --------------------------------------------------------------------------- #
 # KV cache
 # --------------------------------------------------------------------------- #

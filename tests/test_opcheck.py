@@ -50,8 +50,8 @@ def _cases(device: str) -> dict[str, list[tuple]]:
     kv = torch.randn(4, 2, 4, generator=g).to(dev)
     cases = {
         "probs_from_logits": [(flat, temperature, top_k, top_p, True),
-                              (flat.clone().requires_grad_(), temperature, top_k, top_p, False)],
-        "verify_greedy": [(logits, ids, counts, True), (logits, ids, counts, False)],
+                              (flat.clone().requires_grad_(), temperature, top_k.long(), top_p, False)],
+        "verify_greedy": [(logits, ids, counts, True), (logits, ids.long(), counts.to(torch.int16), False)],
         "rejection_sample": [(p, q, ids, counts, seeds, positions, "rejection", True),
                              (p, None, ids, counts, seeds, positions, "rejection", True),
                              (p.clone().requires_grad_(), q, ids, counts, seeds, positions, "coupled", False)],
