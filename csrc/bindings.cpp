@@ -8,12 +8,14 @@
 // the data: specrt/ops.py asks for them on CPU tensors unless the caller
 // passes check_values=False, and on CUDA tensors only in debug mode (each
 // costs a device->host sync). Fake kernels live in specrt/ops.py.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "ops.h"
@@ -21,6 +23,32 @@
 #include "specrt/sampling.h"
 
 namespace specrt {
+
+namespace {
+
+// A sampled row's largest finite logit divided by its temperature must stay a
+// float: x / t = inf for the max gives inf - inf = NaN in the softmax.
+void check_scaled_logits_finite(const at::Tensor& logits, const at::Tensor& temperature) {
+  const at::Tensor x = host(logits), t = host(temperature);
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  std::vector<float> row_max(static_cast<size_t>(rows), -INFINITY);
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = x.data_ptr<float>() + r * vocab;
+      float m = -INFINITY;
+      for (int64_t v = 0; v < vocab; ++v) m = row[v] > m ? row[v] : m;   // NaN never wins
+      row_max[r] = m;
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const float tv = t.data_ptr<float>()[r], m = row_max[r];
+    if (is_greedy_temperature(tv) || !std::isfinite(m)) continue;   // one-hot rows never divide
+    TORCH_CHECK_VALUE(std::isfinite(m / tv), "logits[", r, "] has largest logit ", m, ", which divided by temperature[",
+                      r, "] = ", tv, " overflows float32; scale the logits or raise the temperature");
+  }
+}
+
+}  // namespace
 
 at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                                 const at::Tensor& top_p, bool check_values, ProbsFromLogitsKernel kernel) {
@@ -49,6 +77,7 @@ at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temp
       TORCH_CHECK_VALUE(pv > 0.0f && pv <= 1.0f, "top_p[", r, "] = ", pv, " must be in (0, 1] (1 disables top-p)");
     }
   }
+  if (check_values) check_scaled_logits_finite(logits, temperature);
   at::Tensor probs = at::empty_like(logits);
   if (rows > 0) kernel(logits, temperature, saturate_int32(top_k), top_p, probs);
   return probs;
@@ -219,6 +248,23 @@ void write_kv_op(const at::Tensor& cache, int64_t layer, const at::Tensor& k, co
 
 namespace {
 
+// The CPU kernel with the shared header's greedy rule applied to temperature
+// first: rows with is_greedy_temperature(t) get t = 0, which the CPU kernel
+// treats as greedy (the CUDA kernel calls is_greedy_temperature itself).
+void probs_from_logits_cpu_greedy_eps(const at::Tensor& logits, const at::Tensor& temperature,
+                                      const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& probs) {
+  const float* t = temperature.data_ptr<float>();
+  const int64_t rows = temperature.numel();
+  bool rewrite = false;
+  for (int64_t r = 0; r < rows; ++r) rewrite = rewrite || (t[r] != 0.0f && is_greedy_temperature(t[r]));
+  if (!rewrite) return probs_from_logits_cpu(logits, temperature, top_k, top_p, probs);
+  at::Tensor effective = temperature.clone();
+  float* e = effective.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    if (is_greedy_temperature(e[r])) e[r] = 0.0f;
+  probs_from_logits_cpu(logits, effective, top_k, top_p, probs);
+}
+
 // ---- testing hooks: the shared header's random numbers, for KAT and
 // reference-parity tests ------------------------------------------------------
 std::vector<int64_t> philox(std::vector<int64_t> counter, std::vector<int64_t> key) {
@@ -289,7 +335,7 @@ TORCH_LIBRARY_IMPL(specrt, CPU, m) {
   m.impl("probs_from_logits",
          [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p, bool check) {
            return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, check,
-                                               &specrt::probs_from_logits_cpu);
+                                               &specrt::probs_from_logits_cpu_greedy_eps);
          });
   m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
                              const Tensor& num_draft_tokens, bool check) {

@@ -44,6 +44,9 @@ except ImportError as exc:  # pragma: no cover - exercised only on broken instal
 
 PURPOSES = {"draft": 1, "accept": 2, "residual": 3, "target": 4}
 METHODS = ("rejection", "coupled")
+# Temperatures below this (0 included) are greedy in probs_from_logits: one-hot
+# at the argmax (csrc/include/specrt/sampling.h, kGreedyTemperature).
+TEMPERATURE_EPS = 1e-5
 
 _CUDA_BUILT = bool(_C.cuda_built())   # a constant, so torch.compile never calls into pybind
 _debug_checks = os.environ.get("SPECRT_DEBUG_CHECKS", "0") not in ("", "0")
@@ -124,8 +127,9 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p,
                       check_values: bool | None = None) -> torch.Tensor:
     """The one sampling transform: temperature -> top-k -> softmax -> top-p -> renormalise.
 
-    Shape: logits [N, V] (any float dtype), temperature [N] (0 = greedy),
-    top_k [N] (0 = off), top_p [N] in (0, 1] (1 = off).
+    Shape: logits [N, V] (any float dtype), temperature [N] (below
+    ``TEMPERATURE_EPS`` = 1e-5, 0 included: greedy), top_k [N] (0 = off),
+    top_p [N] in (0, 1] (1 = off).
     Returns: probs [N, V] float32. Greedy rows are one-hot at the argmax
     (NaN counts as -inf, ties to the lowest index). Ties at the top-k / top-p
     threshold are kept. Draft and target rows of a request must get the same

@@ -95,8 +95,8 @@ def logits_case(n: int, v: int, g: torch.Generator):
 
     Integer-valued logits (x 0.75) half of them jittered: exact ties at the argmax and at the
     top-k / top-p thresholds; 10% NaN, 5% -inf; row 0 all NaN (one-hot at 0), row 1 all tied,
-    row 2 has a +inf (one-hot there). Parameters per row from small lists: greedy (0),
-    top-k 1, 2, 3, 50, V-1, V, V+5 (off), top-p cuts and 1 (off)."""
+    row 2 has a +inf (one-hot there). Parameters per row from small lists: greedy (0 and a
+    tiny 1e-8), top-k 1, 2, 3, 50, V-1, V, V+5 (off), top-p cuts and 1 (off)."""
     x = torch.randint(-4, 5, (n, v), generator=g).float() * 0.75
     x = torch.where(torch.rand(n, v, generator=g) < 0.5, x + torch.randn(n, v, generator=g), x)
     x[torch.rand(n, v, generator=g) < 0.1] = float("nan")
@@ -106,7 +106,7 @@ def logits_case(n: int, v: int, g: torch.Generator):
         x[1] = 2.0
     if n > 2:
         x[2, v // 2] = float("inf")
-    temps = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 1.0, 0.9, 0.0])
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 1.0, 0.9, 1e-8])
     ks = torch.tensor([0, 1, 3, 50, v - 1, v, v + 5, 2])
     ps = torch.tensor([1.0, 0.9, 0.5, 0.05, 1.0, 0.7, 0.999, 1.0])
     idx = torch.randint(0, 8, (n, 3), generator=g)

@@ -191,6 +191,9 @@ PFL_CASES = [
     (dict(top_p=torch.tensor([1.0, 0.9, 1.5])), ValueError, r"top_p\[2\] = 1.5 must be in \(0, 1\]"),
     (dict(top_p=torch.tensor([NAN, 0.9, 0.5])), ValueError, r"top_p\[0\] = nan must be in \(0, 1\]"),
     (dict(top_p=torch.tensor([1, 1, 1])), TypeError, r"top_p must be a floating-point tensor"),
+    # a sampled row whose largest logit / temperature overflows float32 (would be NaN); greedy row 0 is fine
+    (dict(logits=torch.full((B, V), 3e38), temperature=torch.tensor([0.0, 0.5, 1.0])), ValueError,
+     r"logits\[1\] has largest logit 3e\+38, which divided by temperature\[1\] = 0.5 overflows float32"),
 ]
 
 

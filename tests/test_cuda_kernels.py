@@ -147,8 +147,17 @@ def test_probs_from_logits_cuda_matches_cpu(n, v):
         flips = ((got > 0) != (want > 0)).sum(-1)
         assert int(flips.max()) <= max(2, v // 1000), f"top-p support differs in {int(flips.max())} tokens"
         assert torch.allclose(got, want, atol=1e-6, rtol=0), float((got - want).abs().max())
-        onehot = (t == 0) | (want == 1.0).any(-1)
+        onehot = (t < ops.TEMPERATURE_EPS) | (want == 1.0).any(-1)
         assert torch.equal(got[onehot], want[onehot]), "one-hot rows must be identical"
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-38, 1e-8])
+def test_probs_from_logits_tiny_temperature_cuda_is_greedy(t):
+    """Issue 14, defect 3 on the device: the kernel applies the shared greedy threshold."""
+    logits = torch.tensor([[1.0, 5.0, 3.0], [-2.0, 7.5, 7.5]], device=DEV)
+    args = (torch.full((2,), t, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), torch.ones(2, device=DEV))
+    got = ops.probs_from_logits(logits, *args).cpu()
+    assert torch.equal(got, torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
 
 
 def test_cuda_ops_check_devices_and_wide_integers():

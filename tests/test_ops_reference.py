@@ -90,10 +90,10 @@ def test_probs_from_logits_matches_reference(n, v):
     assert torch.equal(got > 0, want > 0), "support differs"
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
     assert torch.allclose(got.double().sum(-1), torch.ones(n, dtype=torch.float64), atol=1e-5)
-    # temperature 0 -> exactly one-hot at the NaN-as-(-inf) argmax, ties to the lowest index
+    # greedy temperatures (0, 1e-8) -> exactly one-hot at the NaN-as-(-inf) argmax, ties to the lowest index
     nan_free = torch.where(torch.isnan(logits), torch.full_like(logits, float("-inf")), logits)
     for r in range(n):
-        if float(t[r]) == 0.0 or r == 0:
+        if float(t[r]) < ops.TEMPERATURE_EPS or r == 0:
             hot = int(torch.argmax(nan_free[r]))       # torch.argmax returns the first maximum
             assert float(got[r, hot]) == 1.0 and int((got[r] != 0).sum()) == 1, r
     assert float(got[0, 0]) == 1.0                     # all-NaN row
@@ -109,6 +109,34 @@ def test_probs_from_logits_any_float_dtype_and_exact_ties():
     assert torch.allclose(got, torch.tensor([[0, 1 / 3, 1 / 3, 0, 1 / 3]]), atol=1e-7)
     got = ops.probs_from_logits(logits[:1], [1.0], [0], [0.1])
     assert torch.equal(got > 0, torch.tensor([[False, True, True, False, True]]))
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-40, 1e-38, 1e-8, 9.9e-6, 0.0])
+def test_tiny_temperatures_are_greedy(t):
+    """Issue 14, defect 3: logits / 1e-40 overflowed to inf and inf - inf gave NaN rows, even
+    with value checks on. Below ops.TEMPERATURE_EPS a temperature is greedy: one-hot at the
+    argmax (ties to the lowest index), in the kernel and in the reference alike."""
+    logits = torch.tensor([[1.0, 5.0, 3.0], [-2.0, 7.5, 7.5], [3e38, -3e38, 0.0], [float("nan"), -1.0, -4.0]])
+    n = logits.shape[0]
+    want = torch.tensor([[0, 1.0, 0], [0, 1.0, 0], [1.0, 0, 0], [0, 1.0, 0]])
+    for top_k, top_p in ((0, 1.0), (2, 0.5)):
+        args = ([t] * n, [top_k] * n, [top_p] * n)
+        got = ops.probs_from_logits(logits, *args)
+        assert torch.equal(got, want), got
+        assert torch.equal(reference.probs_from_logits(logits, *map(torch.tensor, args)), want)
+    assert ops.TEMPERATURE_EPS == pytest.approx(reference.TEMPERATURE_EPS) and t < ops.TEMPERATURE_EPS
+
+
+@pytest.mark.parametrize("t", [1e-5, 2e-5, 1e-3])
+def test_small_temperatures_above_eps_are_valid_distributions(t):
+    """At and just above the greedy threshold the softmax is computed, and stays finite."""
+    logits = torch.tensor([[1.0, 5.0, 3.0, 5.0 - 1e-5], [0.0, 1e-5, 2e-5, 3e-5]])
+    got = ops.probs_from_logits(logits, [t, t], [0, 0], [1.0, 1.0])
+    want = reference.probs_from_logits(logits, torch.tensor([t, t]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    assert bool(torch.isfinite(got).all()) and bool((got >= 0).all())
+    assert torch.allclose(got.double().sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert float(got[1, 3]) > float(got[1, 0])   # not greedy: lower logits keep some mass
 
 
 @pytest.mark.parametrize("b,v,k", SIZES)

@@ -298,7 +298,8 @@ __device__ void select_digit_by_sum(ProbsShared& sh, double above_sum, float top
 //   thread: block-strided (float4 when kVec) over the row in every pass.
 //   passes (each reads the row once from global/L2):
 //     1. packed argmax of ordered_key(x) (NaN = -inf, ties -> lowest index);
-//        temperature 0 or a non-finite max: write the one-hot row and stop.
+//        a greedy temperature (is_greedy_temperature: 0 or below 1e-5) or a
+//        non-finite max: write the one-hot row and stop.
 //     2. top-k (0 < k < V): 4 radix passes (8-bit digits, 256 shared counters)
 //        find the k-th largest x/t; kept = x/t >= it (ties kept).
 //     3. S = sum(exp(x/t - m)) over kept (fixed-order block reduction).
@@ -326,7 +327,7 @@ __global__ void __launch_bounds__(kProbsThreads)
   const float max_val = key_to_float(static_cast<uint32_t>(best >> 32));
   const int64_t argmax = unpack_argmax_index(best);
   const float t = temperature[row];
-  if (t == 0.0f || !isfinite(max_val)) {
+  if (is_greedy_temperature(t) || !isfinite(max_val)) {
     row_write<kVec>(out, V, [&](int64_t v) { return v == argmax ? 1.0f : 0.0f; });
     return;
   }
