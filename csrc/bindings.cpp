@@ -108,6 +108,30 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy_op(const at::Tensor& target_log
   return {out, n_acc};
 }
 
+namespace {
+
+// With value checks: every row a request can reach (target rows 0..n_b, draft
+// rows 0..n_b-1) holds some probability; an all-zero row would silently yield
+// token 0. Run after check_draft_values, so the counts are in [0, K].
+void check_reachable_rows(const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+                          const at::Tensor& num_draft_tokens) {
+  const at::Tensor counts = wide_host(num_draft_tokens);
+  const at::Tensor p = host(target_probs);
+  const at::Tensor q = draft_probs.has_value() ? host(*draft_probs) : at::Tensor();
+  const int64_t batch = p.size(0), k1 = p.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = counts.data_ptr<int64_t>()[b];
+    for (int64_t i = 0; i <= n; ++i) {
+      TORCH_CHECK_VALUE(row_has_mass(p, b * k1 + i), "target_probs[", b, ", ", i,
+                        "] is all zero (request ", b, " can reach position ", i, ")");
+      TORCH_CHECK_VALUE(i == n || !q.defined() || row_has_mass(q, b * (k1 - 1) + i), "draft_probs[", b, ", ", i,
+                        "] is all zero, yet draft_token_ids[", b, ", ", i, "] was sampled from it");
+    }
+  }
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_probs,
                                                        const std::optional<at::Tensor>& draft_probs,
                                                        const at::Tensor& draft_token_ids,
@@ -146,6 +170,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_
     if (draft_probs.has_value() && !coupled) check_probs_values(*draft_probs, "draft_probs");
     check_draft_values(draft_token_ids, num_draft_tokens, vocab);
     check_positions(positions);
+    check_reachable_rows(target_probs, coupled ? std::optional<at::Tensor>() : draft_probs, num_draft_tokens);
   }
   at::Tensor out = at::empty({batch, k1}, target_probs.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_probs.options().dtype(at::kInt));
@@ -171,6 +196,9 @@ at::Tensor sample_tokens_op(const at::Tensor& probs, const at::Tensor& seeds, co
   if (check_values) {
     check_probs_values(probs, "probs");
     check_positions(positions);
+    const at::Tensor h = host(probs);
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK_VALUE(row_has_mass(h, r), "probs[", r, "] is all zero: there is no token to sample");
   }
   at::Tensor tokens = at::empty({rows}, probs.options().dtype(at::kInt));
   if (rows > 0) kernel(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);

@@ -72,6 +72,12 @@ void check_probs_values(const at::Tensor& probs, const char* name) {
                     " (flat index) is ", data[bad < n ? bad : 0]);
 }
 
+bool row_has_mass(const at::Tensor& probs_host, int64_t row) {
+  const int64_t vocab = probs_host.size(-1);
+  const float* p = probs_host.data_ptr<float>() + row * vocab;
+  return std::any_of(p, p + vocab, [](float x) { return x > 0.0f; });
+}
+
 void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab) {
   const at::Tensor ids = wide_host(draft_token_ids);
   const at::Tensor counts = wide_host(num_draft_tokens);

@@ -35,6 +35,8 @@ at::Tensor host(const at::Tensor& t);
 
 // Finite and >= 0 everywhere.
 void check_probs_values(const at::Tensor& probs, const char* name);
+// Row `row` ([..., V] flattened to rows) of a float32 host tensor has a positive entry.
+bool row_has_mass(const at::Tensor& probs_host, int64_t row);
 // num_draft_tokens[b] in [0, K] and draft_token_ids[b, :n] in [0, vocab), on the wide values.
 void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab);
 void check_positions(const at::Tensor& positions);

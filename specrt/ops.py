@@ -13,8 +13,8 @@ raises ``ValueError`` (or ``TypeError`` for a wrong type or dtype) naming the
 argument. Integer arguments may have any integer dtype: values are
 range-checked before the kernels narrow them to int32.
 
-Value checks (NaN or negative probabilities, out-of-range token ids, block
-and slot ranges) read the data. On CPU tensors
+Value checks (NaN or negative probabilities, all-zero probability rows,
+out-of-range token ids, block and slot ranges) read the data. On CPU tensors
 they always run unless ``check_values=False``; on CUDA tensors they would cost
 a device->host sync on the hot path, so they run only in debug mode
 (``set_debug_checks(True)`` or ``SPECRT_DEBUG_CHECKS=1``). Without them the
@@ -229,6 +229,12 @@ def _sample_tokens_fake(probs, seeds, positions, purpose=4, check_values=True):
     return probs.new_empty((probs.shape[0],), dtype=torch.int32)
 
 
+def _purpose_code(purpose) -> int:
+    if not isinstance(purpose, str) or purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
+    return PURPOSES[purpose]
+
+
 def sample_tokens(probs: torch.Tensor, seeds, positions, purpose: str = "target",
                   check_values: bool | None = None) -> torch.Tensor:
     """Sample one token per row by the exponential race under ``purpose``.
@@ -236,14 +242,14 @@ def sample_tokens(probs: torch.Tensor, seeds, positions, purpose: str = "target"
     Shape: probs [N, V] (need not be normalised), seeds [N] int64, positions [N] int64.
     Returns: tokens [N] int32. purpose="target" is the autoregressive sampler
     (and what coupled drafts use); "draft" is the draft sampler of
-    method="rejection". One-hot rows return their argmax.
+    method="rejection". One-hot rows return their argmax. With value checks an
+    all-zero row is an error (it has no token to sample); without them it
+    yields token 0.
 
     Example:
         >>> tokens = ops.sample_tokens(probs, torch.tensor([7, 7]), torch.tensor([30, 31]))   # probs [2, V]
     """
-    if purpose not in PURPOSES:
-        raise ValueError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
-    code = PURPOSES[purpose]
+    code = _purpose_code(purpose)
     probs = _float_input(probs, "probs")
     seeds = _as(seeds, "seeds", torch.int64, probs)
     positions = _as(positions, "positions", torch.int64, probs)
@@ -254,6 +260,23 @@ def sample_tokens(probs: torch.Tensor, seeds, positions, purpose: str = "target"
 @torch.library.register_fake("specrt::copy_blocks")
 def _copy_blocks_fake(caches, block_mapping, check_values=True):
     return None
+
+
+def _block_mapping(block_mapping) -> torch.Tensor:
+    """A tensor passes as is (the op checks dtype int64); a list must hold integers."""
+    if isinstance(block_mapping, torch.Tensor):
+        return block_mapping.contiguous()
+    if block_mapping is None:
+        raise ValueError("block_mapping must be a tensor, got None")
+    try:
+        t = torch.as_tensor(block_mapping)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"block_mapping must be a tensor or a list of (src, dst) pairs: {exc}") from None
+    if t.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"block_mapping must hold integer block ids, got {t.dtype} values")
+    return (t.reshape(-1, 2) if t.dim() == 1 and t.numel() % 2 == 0 else t).to(torch.int64).contiguous()
 
 
 def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: bool | None = None) -> None:
@@ -277,9 +300,7 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: boo
         raise ValueError("caches must be a non-empty list of cache tensors")
     for i, c in enumerate(caches[1:], 1):
         _same_device(c, f"caches[{i}]", caches[0])
-    if not isinstance(block_mapping, torch.Tensor):
-        block_mapping = torch.as_tensor(block_mapping, dtype=torch.int64).reshape(-1, 2)
-    block_mapping = block_mapping.contiguous()
+    block_mapping = _block_mapping(block_mapping)
     if block_mapping.device.type != "cpu":
         _same_device(block_mapping, "block_mapping", caches[0])
     _has_kernels(caches[0], "caches")
@@ -289,6 +310,19 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: boo
 @torch.library.register_fake("specrt::write_kv")
 def _write_kv_fake(cache, layer, k, v, slot_mapping, check_values=True):
     return None
+
+
+def _index(x, name: str) -> int:
+    """A Python integer (no silent truncation of floats)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be an integer, got bool {x!r}")
+    try:
+        value = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__} {x!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} = {value} is out of range")
+    return value
 
 
 def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -303,7 +337,7 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
         >>> ops.write_kv(cache, 0, k, v, torch.tensor([17, -1, 18]))   # k, v [3, kv_heads, head_dim]
     """
     cache = _tensor(cache, "cache")
-    layer = int(layer)
+    layer = _index(layer, "layer")
     for t, name in ((k, "k"), (v, "v"), (slot_mapping, "slot_mapping")):
         _same_device(_tensor(t, name), name, cache)
     _has_kernels(cache, "cache")
@@ -311,8 +345,10 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
 
 
 def philox4x32_10(counter: Sequence[int], key: Sequence[int]) -> list[int]:
-    """The shared header's Philox4x32-10 (for known-answer tests)."""
-    return list(_C.philox4x32_10(list(counter), list(key)))
+    """The shared header's Philox4x32-10 (for known-answer tests); words are taken mod 2^32."""
+    counter = [_index(c, "counter") & 0xFFFFFFFF for c in counter]
+    key = [_index(c, "key") & 0xFFFFFFFF for c in key]
+    return list(_C.philox4x32_10(counter, key))
 
 
 @torch.library.register_fake("specrt::uniform_noise")
@@ -328,7 +364,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, purpose: str, in
     Example:
         >>> u = ops.uniform_noise(torch.tensor([7]), torch.tensor([30]), "accept", torch.tensor([0]))
     """
-    code = PURPOSES[purpose]
+    code = _purpose_code(purpose)
     seeds = _as(_tensor(seeds, "seeds"), "seeds", torch.int64, seeds)
     positions = _as(positions, "positions", torch.int64, seeds)
     index = _as(index, "index", torch.int64, seeds)

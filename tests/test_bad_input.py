@@ -244,6 +244,17 @@ def test_sample_tokens_unknown_purpose():
     assert _st().shape == (B,)
 
 
+def test_uniform_noise_unknown_purpose_names_the_choices():
+    """Issue 14, defect 10: an unknown purpose was a bare KeyError."""
+    one = torch.tensor([1])
+    for purpose in ("accepted", 4, None, ["target"]):
+        with pytest.raises(ValueError, match=r"purpose must be one of \['accept', 'draft', 'residual', 'target'\]"):
+            ops.uniform_noise(one, one, purpose, one)
+    with pytest.raises(ValueError, match=r"purpose must be one of"):
+        _st(purpose=["target"])
+    assert 0.0 < float(ops.uniform_noise(one, one, "accept", one)[0]) < 1.0
+
+
 def test_testing_hooks_bad_input():
     with pytest.raises(ValueError, match=r"counter must have 4 words"):
         ops.philox4x32_10([0, 0, 0], [0, 0])
@@ -344,3 +355,33 @@ def test_int_arguments_of_any_integer_dtype():
         _pfl(top_k=torch.tensor([0, 1, 2], dtype=torch.complex64))
     with pytest.raises(ValueError, match=r"top_k must be a tensor or a list of numbers"):
         _pfl(top_k=[2**64, 0, 0])
+
+
+# --------------------------------------------------------------------------- #
+# All-zero probability rows (issue 14, defect 10): nothing to sample. With value checks they
+# are an error naming the row; without, the documented fallback is token 0.
+# --------------------------------------------------------------------------- #
+def test_all_zero_probability_rows_rejected_with_value_checks():
+    probs = _probs(B, V)
+    probs[1] = 0.0
+    with pytest.raises(ValueError, match=r"probs\[1\] is all zero"):
+        _st(probs=probs)
+    assert int(ops.sample_tokens(probs, [1, 2, 3], [0, 1, 2], check_values=False)[1]) == 0
+    # a target row the request can reach (position <= num_draft_tokens) ...
+    tp = _probs(B, K + 1, V)
+    tp[1, 1] = 0.0                       # request 1 drafts 1 token: it can reach position 1
+    for method in ("rejection", "coupled"):
+        with pytest.raises(ValueError, match=r"target_probs\[1, 1\] is all zero"):
+            _rs(method=method, target_probs=tp)
+    # ... but not one beyond it (padding rows are never read)
+    tp = _probs(B, K + 1, V)
+    tp[1, 2] = 0.0
+    tp[2, 1:] = 0.0
+    _rs(target_probs=tp)
+    # a draft row a drafted token came from
+    dp = _probs(B, K, V)
+    dp[0, 1] = 0.0
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 1\] is all zero"):
+        _rs(draft_probs=dp)
+    _rs(method="coupled", draft_probs=dp)   # coupled mode never reads draft_probs
+    _check_rejection_still_works()
