@@ -312,6 +312,10 @@ at::Tensor uniform_noise_cpu(const at::Tensor& seeds, const at::Tensor& position
   check_tensor(index, "index", at::kLong, 1, at::Device(at::kCPU));
   TORCH_CHECK_VALUE(seeds.size(0) == positions.size(0) && seeds.size(0) == index.size(0),
                     "seeds, positions and index must have the same length");
+  for (int64_t i = 0; i < index.size(0); ++i) {
+    const int64_t x = index.data_ptr<int64_t>()[i];
+    TORCH_CHECK_VALUE(x >= 0 && x <= UINT32_MAX, "index[", i, "] = ", x, " must be in [0, 2^32)");
+  }
   at::Tensor out = at::empty({seeds.size(0)}, seeds.options().dtype(at::kFloat));
   for (int64_t i = 0; i < seeds.size(0); ++i)
     out.data_ptr<float>()[i] = uniform(static_cast<uint64_t>(seeds.data_ptr<int64_t>()[i]),

@@ -351,6 +351,13 @@ def philox4x32_10(counter: Sequence[int], key: Sequence[int]) -> list[int]:
     return list(_C.philox4x32_10(counter, key))
 
 
+def _cpu_only(t, name: str) -> torch.Tensor:
+    t = _tensor(t, name)
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on cpu (a CPU testing hook), got {t.device}")
+    return t
+
+
 @torch.library.register_fake("specrt::uniform_noise")
 def _uniform_noise_fake(seeds, positions, purpose, index):
     return seeds.new_empty(seeds.shape, dtype=torch.float32)
@@ -365,7 +372,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, purpose: str, in
         >>> u = ops.uniform_noise(torch.tensor([7]), torch.tensor([30]), "accept", torch.tensor([0]))
     """
     code = _purpose_code(purpose)
-    seeds = _as(_tensor(seeds, "seeds"), "seeds", torch.int64, seeds)
+    seeds = _as(_cpu_only(seeds, "seeds"), "seeds", torch.int64, seeds)
     positions = _as(positions, "positions", torch.int64, seeds)
     index = _as(index, "index", torch.int64, seeds)
     return torch.ops.specrt.uniform_noise(seeds, positions, code, index)
@@ -384,7 +391,7 @@ def log_det(x: torch.Tensor) -> torch.Tensor:
     Example:
         >>> ops.log_det(torch.tensor([1.0, 2.0]))   # tensor([0.0000, 0.6931])
     """
-    x = _tensor(x, "x")
+    x = _cpu_only(x, "x")
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     return torch.ops.specrt.log_det(x.float().contiguous())
