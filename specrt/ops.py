@@ -1,15 +1,25 @@
 """specrt's kernel ops: the only module that imports the compiled ``specrt._C``.
 
+Every op is a real torch op (``torch.ops.specrt.<name>``, schemas in
+csrc/bindings.cpp) with CPU and CUDA implementations and a fake kernel here,
+so it traces under ``torch.compile(fullgraph=True)`` and passes
+``torch.library.opcheck``. The functions below are its documented Python
+front: they accept Python lists for the small per-row vectors, check what
+can be checked without reading data, and call the op.
+
 Shapes: B requests, K = max draft tokens this step, V vocabulary, N rows.
 Token outputs are int32, padded with -1. Every op checks its arguments and
-raises ``ValueError`` (or ``TypeError`` for a wrong dtype) naming the argument.
+raises ``ValueError`` (or ``TypeError`` for a wrong type or dtype) naming the
+argument. Integer arguments may have any integer dtype: values are
+range-checked before the kernels narrow them to int32.
 
-Value checks (NaN or negative probabilities, out-of-range token ids, block and
-slot ranges) read the data. On CPU tensors they always run unless
-``check_values=False``; on CUDA tensors they would cost a device->host sync on
-the hot path, so they run only in debug mode (``set_debug_checks(True)`` or
-``SPECRT_DEBUG_CHECKS=1``). Without them the CUDA kernels still never read or
-write out of bounds: bad ids are treated as rejected and bad slots skipped.
+Value checks (NaN or negative probabilities, all-zero probability rows,
+out-of-range token ids, block and slot ranges) read the data. On CPU tensors
+they always run unless ``check_values=False``; on CUDA tensors they would cost
+a device->host sync on the hot path, so they run only in debug mode
+(``set_debug_checks(True)`` or ``SPECRT_DEBUG_CHECKS=1``). Without them the
+kernels still never read or write out of bounds: bad ids are treated as
+rejected, bad slots skipped, and integers outside int32 saturate.
 
 Randomness (DESIGN.md section 3): every random number is a pure function of
 ``(seed, absolute position, purpose, index)`` through Philox4x32-10, so
@@ -17,6 +27,7 @@ results do not depend on batch composition, slot or device.
 """
 from __future__ import annotations
 
+import operator
 import os
 from typing import Sequence
 
@@ -33,7 +44,11 @@ except ImportError as exc:  # pragma: no cover - exercised only on broken instal
 
 PURPOSES = {"draft": 1, "accept": 2, "residual": 3, "target": 4}
 METHODS = ("rejection", "coupled")
+# Temperatures below this (0 included) are greedy in probs_from_logits: one-hot
+# at the argmax (csrc/include/specrt/sampling.h, kGreedyTemperature).
+TEMPERATURE_EPS = 1e-5
 
+_CUDA_BUILT = bool(_C.cuda_built())   # a constant, so torch.compile never calls into pybind
 _debug_checks = os.environ.get("SPECRT_DEBUG_CHECKS", "0") not in ("", "0")
 
 
@@ -45,7 +60,7 @@ def set_debug_checks(enabled: bool) -> None:
 
 def cuda_built() -> bool:
     """True when this build of specrt contains the CUDA kernels."""
-    return bool(_C.cuda_built())
+    return _CUDA_BUILT
 
 
 def _check_values(t: torch.Tensor, check_values: bool | None) -> bool:
@@ -54,23 +69,47 @@ def _check_values(t: torch.Tensor, check_values: bool | None) -> bool:
     return t.device.type == "cpu" or _debug_checks
 
 
-def _as(t, name: str, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """Accept Python lists / other integer or float dtypes for small per-row vectors."""
+def _tensor(t, name: str) -> torch.Tensor:
     if t is None:
         raise ValueError(f"{name} must be a tensor, got None")
     if not isinstance(t, torch.Tensor):
-        t = torch.as_tensor(t)
-    if t.is_floating_point() != dtype.is_floating_point:
-        kind = "a floating-point" if dtype.is_floating_point else "an integer"
-        raise TypeError(f"{name} must be {kind} tensor ({dtype}), got {t.dtype}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _same_device(t: torch.Tensor, name: str, like: torch.Tensor) -> None:
     if t.device != like.device:
         raise ValueError(f"{name} must be on {like.device} (like the other inputs), got {t.device}")
-    return t.to(dtype).contiguous()
+
+
+def _has_kernels(t: torch.Tensor, name: str) -> None:
+    if t.device.type == "cpu" or (t.device.type == "cuda" and _CUDA_BUILT):
+        return
+    raise ValueError(f"{name} is on {t.device} but this build of specrt has no kernels for it")
+
+
+def _as(t, name: str, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """Accept Python lists / other integer or float dtypes for small per-row vectors.
+
+    Integers stay in their dtype when the op reads int32: the op range-checks them
+    before narrowing (a silent int64 -> int32 wrap would change the value)."""
+    if t is None:
+        raise ValueError(f"{name} must be a tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        try:
+            t = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise ValueError(f"{name} must be a tensor or a list of numbers: {exc}") from None
+    if dtype.is_floating_point and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor ({dtype}), got {t.dtype}")
+    if not dtype.is_floating_point and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor ({dtype}), got {t.dtype}")
+    _same_device(t, name, like)
+    return (t if dtype == torch.int32 else t.to(dtype)).contiguous()
 
 
 def _float_input(t, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    t = _tensor(t, name)
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not t.is_contiguous():
@@ -78,12 +117,19 @@ def _float_input(t, name: str) -> torch.Tensor:
     return t.float()  # no copy when already float32
 
 
+@torch.library.register_fake("specrt::probs_from_logits")
+def _probs_from_logits_fake(logits, temperature, top_k, top_p, check_values=True):
+    torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got shape {list(logits.shape)}")
+    return torch.empty_like(logits)
+
+
 def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p,
                       check_values: bool | None = None) -> torch.Tensor:
     """The one sampling transform: temperature -> top-k -> softmax -> top-p -> renormalise.
 
-    Shape: logits [N, V] (any float dtype), temperature [N] (0 = greedy),
-    top_k [N] (0 = off), top_p [N] in (0, 1] (1 = off).
+    Shape: logits [N, V] (any float dtype), temperature [N] (below
+    ``TEMPERATURE_EPS`` = 1e-5, 0 included: greedy), top_k [N] (0 = off),
+    top_p [N] in (0, 1] (1 = off).
     Returns: probs [N, V] float32. Greedy rows are one-hot at the argmax
     (NaN counts as -inf, ties to the lowest index). Ties at the top-k / top-p
     threshold are kept. Draft and target rows of a request must get the same
@@ -93,10 +139,23 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p,
         >>> probs = ops.probs_from_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]))
     """
     logits = _float_input(logits, "logits")
-    return _C.probs_from_logits(logits, _as(temperature, "temperature", torch.float32, logits),
-                                _as(top_k, "top_k", torch.int32, logits),
-                                _as(top_p, "top_p", torch.float32, logits),
-                                _check_values(logits, check_values))
+    temperature = _as(temperature, "temperature", torch.float32, logits)
+    top_k = _as(top_k, "top_k", torch.int32, logits)
+    top_p = _as(top_p, "top_p", torch.float32, logits)
+    _has_kernels(logits, "logits")
+    return torch.ops.specrt.probs_from_logits(logits, temperature, top_k, top_p,
+                                              _check_values(logits, check_values))
+
+
+def _tokens_and_counts(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    torch._check(like.dim() == 3, lambda: f"expected [B, K+1, V], got shape {list(like.shape)}")
+    b, k1 = like.shape[0], like.shape[1]
+    return like.new_empty((b, k1), dtype=torch.int32), like.new_empty((b,), dtype=torch.int32)
+
+
+@torch.library.register_fake("specrt::verify_greedy")
+def _verify_greedy_fake(target_logits, draft_token_ids, num_draft_tokens, check_values=True):
+    return _tokens_and_counts(target_logits)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
@@ -108,11 +167,22 @@ def verify_greedy(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens
     request b emits num_accepted[b] + 1 tokens: its accepted drafts, then the
     target's argmax at the first mismatch (or the bonus token). NaN logits count
     as -inf; ties go to the lowest token id.
+
+    Example:
+        >>> out, n = ops.verify_greedy(logits, torch.tensor([[5, 9]]), torch.tensor([2]))   # logits [1, 3, V]
     """
     target_logits = _float_input(target_logits, "target_logits")
-    return _C.verify_greedy(target_logits, _as(draft_token_ids, "draft_token_ids", torch.int32, target_logits),
-                            _as(num_draft_tokens, "num_draft_tokens", torch.int32, target_logits),
-                            _check_values(target_logits, check_values))
+    draft_token_ids = _as(draft_token_ids, "draft_token_ids", torch.int32, target_logits)
+    num_draft_tokens = _as(num_draft_tokens, "num_draft_tokens", torch.int32, target_logits)
+    _has_kernels(target_logits, "target_logits")
+    return torch.ops.specrt.verify_greedy(target_logits, draft_token_ids, num_draft_tokens,
+                                          _check_values(target_logits, check_values))
+
+
+@torch.library.register_fake("specrt::rejection_sample")
+def _rejection_sample_fake(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions,
+                           method="rejection", check_values=True):
+    return _tokens_and_counts(target_probs)
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_ids,
@@ -134,18 +204,35 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     the target with the same seeds, whatever the draft.
 
     Returns: (output_token_ids [B, K+1] int32 padded with -1, num_accepted [B] int32).
+
+    Example:
+        >>> out, n = ops.rejection_sample(p, q, ids, torch.tensor([2]), torch.tensor([7]), torch.tensor([30]))
     """
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     target_probs = _float_input(target_probs, "target_probs")
     if draft_probs is not None:
         draft_probs = _float_input(draft_probs, "draft_probs")
-    return _C.rejection_sample(target_probs, draft_probs,
-                               _as(draft_token_ids, "draft_token_ids", torch.int32, target_probs),
-                               _as(num_draft_tokens, "num_draft_tokens", torch.int32, target_probs),
-                               _as(seeds, "seeds", torch.int64, target_probs),
-                               _as(positions, "positions", torch.int64, target_probs),
-                               method, _check_values(target_probs, check_values))
+        _same_device(draft_probs, "draft_probs", target_probs)
+    draft_token_ids = _as(draft_token_ids, "draft_token_ids", torch.int32, target_probs)
+    num_draft_tokens = _as(num_draft_tokens, "num_draft_tokens", torch.int32, target_probs)
+    seeds = _as(seeds, "seeds", torch.int64, target_probs)
+    positions = _as(positions, "positions", torch.int64, target_probs)
+    _has_kernels(target_probs, "target_probs")
+    return torch.ops.specrt.rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds,
+                                             positions, method, _check_values(target_probs, check_values))
+
+
+@torch.library.register_fake("specrt::sample_tokens")
+def _sample_tokens_fake(probs, seeds, positions, purpose=4, check_values=True):
+    torch._check(probs.dim() == 2, lambda: f"probs must be 2-D, got shape {list(probs.shape)}")
+    return probs.new_empty((probs.shape[0],), dtype=torch.int32)
+
+
+def _purpose_code(purpose) -> int:
+    if not isinstance(purpose, str) or purpose not in PURPOSES:
+        raise ValueError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
+    return PURPOSES[purpose]
 
 
 def sample_tokens(probs: torch.Tensor, seeds, positions, purpose: str = "target",
@@ -155,14 +242,41 @@ def sample_tokens(probs: torch.Tensor, seeds, positions, purpose: str = "target"
     Shape: probs [N, V] (need not be normalised), seeds [N] int64, positions [N] int64.
     Returns: tokens [N] int32. purpose="target" is the autoregressive sampler
     (and what coupled drafts use); "draft" is the draft sampler of
-    method="rejection". One-hot rows return their argmax.
+    method="rejection". One-hot rows return their argmax. With value checks an
+    all-zero row is an error (it has no token to sample); without them it
+    yields token 0.
+
+    Example:
+        >>> tokens = ops.sample_tokens(probs, torch.tensor([7, 7]), torch.tensor([30, 31]))   # probs [2, V]
     """
-    if purpose not in PURPOSES:
-        raise ValueError(f"purpose must be one of {sorted(PURPOSES)}, got {purpose!r}")
+    code = _purpose_code(purpose)
     probs = _float_input(probs, "probs")
-    return _C.sample_tokens(probs, _as(seeds, "seeds", torch.int64, probs),
-                            _as(positions, "positions", torch.int64, probs), PURPOSES[purpose],
-                            _check_values(probs, check_values))
+    seeds = _as(seeds, "seeds", torch.int64, probs)
+    positions = _as(positions, "positions", torch.int64, probs)
+    _has_kernels(probs, "probs")
+    return torch.ops.specrt.sample_tokens(probs, seeds, positions, code, _check_values(probs, check_values))
+
+
+@torch.library.register_fake("specrt::copy_blocks")
+def _copy_blocks_fake(caches, block_mapping, check_values=True):
+    return None
+
+
+def _block_mapping(block_mapping) -> torch.Tensor:
+    """A tensor passes as is (the op checks dtype int64); a list must hold integers."""
+    if isinstance(block_mapping, torch.Tensor):
+        return block_mapping.contiguous()
+    if block_mapping is None:
+        raise ValueError("block_mapping must be a tensor, got None")
+    try:
+        t = torch.as_tensor(block_mapping)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"block_mapping must be a tensor or a list of (src, dst) pairs: {exc}") from None
+    if t.numel() == 0:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"block_mapping must hold integer block ids, got {t.dtype} values")
+    return (t.reshape(-1, 2) if t.dim() == 1 and t.numel() % 2 == 0 else t).to(torch.int64).contiguous()
 
 
 def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: bool | None = None) -> None:
@@ -173,14 +287,42 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: boo
     block_mapping [P, 2] int64 (src, dst), on the CPU or on the caches' device.
     A CPU mapping is always validated (in range for every cache, distinct
     destinations, no block both source and destination).
+
+    Example:
+        >>> ops.copy_blocks([target_cache, draft_cache], torch.tensor([[3, 8]]))   # block 3 -> block 8
     """
     if isinstance(caches, torch.Tensor):
         caches = [caches]
-    caches = list(caches)
-    if not isinstance(block_mapping, torch.Tensor):
-        block_mapping = torch.as_tensor(block_mapping, dtype=torch.int64).reshape(-1, 2)
-    check = _check_values(caches[0], check_values) if caches else True
-    _C.copy_blocks(caches, block_mapping.contiguous(), check)
+    if not isinstance(caches, (list, tuple)):
+        raise TypeError(f"caches must be a list of cache tensors, got {type(caches).__name__}")
+    caches = [_tensor(c, f"caches[{i}]") for i, c in enumerate(caches)]
+    if not caches:
+        raise ValueError("caches must be a non-empty list of cache tensors")
+    for i, c in enumerate(caches[1:], 1):
+        _same_device(c, f"caches[{i}]", caches[0])
+    block_mapping = _block_mapping(block_mapping)
+    if block_mapping.device.type != "cpu":
+        _same_device(block_mapping, "block_mapping", caches[0])
+    _has_kernels(caches[0], "caches")
+    torch.ops.specrt.copy_blocks(caches, block_mapping, _check_values(caches[0], check_values))
+
+
+@torch.library.register_fake("specrt::write_kv")
+def _write_kv_fake(cache, layer, k, v, slot_mapping, check_values=True):
+    return None
+
+
+def _index(x, name: str) -> int:
+    """A Python integer (no silent truncation of floats)."""
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be an integer, got bool {x!r}")
+    try:
+        value = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__} {x!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} = {value} is out of range")
+    return value
 
 
 def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -190,21 +332,66 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
     Shape: cache [layers, 2, num_blocks, block_size, kv_heads, head_dim],
     k, v [T, kv_heads, head_dim] in the cache's dtype, slot_mapping [T] int64
     (-1 = padding, skipped).
+
+    Example:
+        >>> ops.write_kv(cache, 0, k, v, torch.tensor([17, -1, 18]))   # k, v [3, kv_heads, head_dim]
     """
-    _C.write_kv(cache, int(layer), k, v, slot_mapping, _check_values(cache, check_values))
+    cache = _tensor(cache, "cache")
+    layer = _index(layer, "layer")
+    for t, name in ((k, "k"), (v, "v"), (slot_mapping, "slot_mapping")):
+        _same_device(_tensor(t, name), name, cache)
+    _has_kernels(cache, "cache")
+    torch.ops.specrt.write_kv(cache, layer, k, v, slot_mapping, _check_values(cache, check_values))
 
 
 def philox4x32_10(counter: Sequence[int], key: Sequence[int]) -> list[int]:
-    """The shared header's Philox4x32-10 (for known-answer tests)."""
-    return list(_C.philox4x32_10(list(counter), list(key)))
+    """The shared header's Philox4x32-10 (for known-answer tests); words are taken mod 2^32."""
+    counter = [_index(c, "counter") & 0xFFFFFFFF for c in counter]
+    key = [_index(c, "key") & 0xFFFFFFFF for c in key]
+    return list(_C.philox4x32_10(counter, key))
+
+
+def _cpu_only(t, name: str) -> torch.Tensor:
+    t = _tensor(t, name)
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on cpu (a CPU testing hook), got {t.device}")
+    return t
+
+
+@torch.library.register_fake("specrt::uniform_noise")
+def _uniform_noise_fake(seeds, positions, purpose, index):
+    return seeds.new_empty(seeds.shape, dtype=torch.float32)
 
 
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, purpose: str, index: torch.Tensor) -> torch.Tensor:
-    """The shared header's uniforms in (0, 1) for (seed, position, purpose, index) (testing hook)."""
-    return _C.uniform(seeds.long().contiguous(), positions.long().contiguous(), PURPOSES[purpose],
-                      index.long().contiguous())
+    """The shared header's uniforms in (0, 1) for (seed, position, purpose, index) (testing hook, CPU).
+
+    Shape: seeds, positions, index [N] (integers). Returns: [N] float32.
+
+    Example:
+        >>> u = ops.uniform_noise(torch.tensor([7]), torch.tensor([30]), "accept", torch.tensor([0]))
+    """
+    code = _purpose_code(purpose)
+    seeds = _as(_cpu_only(seeds, "seeds"), "seeds", torch.int64, seeds)
+    positions = _as(positions, "positions", torch.int64, seeds)
+    index = _as(index, "index", torch.int64, seeds)
+    return torch.ops.specrt.uniform_noise(seeds, positions, code, index)
+
+
+@torch.library.register_fake("specrt::log_det")
+def _log_det_fake(x):
+    return torch.empty_like(x)
 
 
 def log_det(x: torch.Tensor) -> torch.Tensor:
-    """The shared header's deterministic float32 log (testing hook)."""
-    return _C.log_det(x.float().contiguous())
+    """The shared header's deterministic float32 log (testing hook, CPU).
+
+    Shape: x [N] positive normal floats. Returns: [N] float32.
+
+    Example:
+        >>> ops.log_det(torch.tensor([1.0, 2.0]))   # tensor([0.0000, 0.6931])
+    """
+    x = _cpu_only(x, "x")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    return torch.ops.specrt.log_det(x.float().contiguous())

@@ -20,6 +20,8 @@ PURPOSE_RESIDUAL = 3
 PURPOSE_TARGET = 4
 PURPOSES = {"draft": PURPOSE_DRAFT, "accept": PURPOSE_ACCEPT, "residual": PURPOSE_RESIDUAL,
             "target": PURPOSE_TARGET}
+# Temperatures below this float32 value (0 included) are greedy: sampling.h's kGreedyTemperature.
+TEMPERATURE_EPS = float(torch.tensor(1e-5, dtype=torch.float32))
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M0 = 0xD2511F53
@@ -143,7 +145,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
                       top_p: torch.Tensor) -> torch.Tensor:
     """temperature -> top-k -> softmax -> top-p -> renormalise, per row.
 
-    temperature 0: one-hot at the argmax (NaN as -inf, ties to the lowest index).
+    temperature below TEMPERATURE_EPS (0 included): one-hot at the argmax (NaN as -inf, ties
+    to the lowest index); dividing by a tinier temperature would overflow float32.
     top_k 0 or >= V: off; otherwise keep every logit >= the k-th largest (ties kept).
     top_p 1: off; otherwise keep every prob >= the prob at which the descending
     cumulative sum first reaches top_p (ties kept), then renormalise.
@@ -152,12 +155,12 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     n, v = logits.shape
     out = torch.zeros(n, v, dtype=torch.float32)
     for row in range(n):
-        t = float(temperature[row])
+        t = float(torch.as_tensor(temperature[row]).to(torch.float32))   # the kernels read float32
         k = int(top_k[row])
         p_top = float(top_p[row])
         x = logits[row].to(torch.float32)
         x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
-        if t == 0.0 or not bool(torch.isfinite(x.max())):
+        if not t >= TEMPERATURE_EPS or not bool(torch.isfinite(x.max())):
             out[row, int(argmax_nan_low(x))] = 1.0
             continue
         x = x / _f32(t)

@@ -20,14 +20,16 @@
 //
 // No host synchronisation anywhere: seeds, positions, num_draft_tokens and
 // num_accepted are read on the device, so every op is CUDA-graph capturable.
-// Device inputs are NOT validated here (bindings.cpp does that on the host, or
-// in its debug mode); instead every data-dependent index is clamped/guarded so
-// bad ids never read or write out of bounds.
+// Device inputs are NOT validated here (the op bodies in bindings.cpp do that
+// on the host in debug mode); instead every data-dependent index is
+// clamped/guarded so bad ids never read or write out of bounds. The CUDA
+// registrations of the ops are at the end of this file.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -296,7 +298,8 @@ __device__ void select_digit_by_sum(ProbsShared& sh, double above_sum, float top
 //   thread: block-strided (float4 when kVec) over the row in every pass.
 //   passes (each reads the row once from global/L2):
 //     1. packed argmax of ordered_key(x) (NaN = -inf, ties -> lowest index);
-//        temperature 0 or a non-finite max: write the one-hot row and stop.
+//        a greedy temperature (is_greedy_temperature: 0 or below 1e-5) or a
+//        non-finite max: write the one-hot row and stop.
 //     2. top-k (0 < k < V): 4 radix passes (8-bit digits, 256 shared counters)
 //        find the k-th largest x/t; kept = x/t >= it (ties kept).
 //     3. S = sum(exp(x/t - m)) over kept (fixed-order block reduction).
@@ -324,7 +327,7 @@ __global__ void __launch_bounds__(kProbsThreads)
   const float max_val = key_to_float(static_cast<uint32_t>(best >> 32));
   const int64_t argmax = unpack_argmax_index(best);
   const float t = temperature[row];
-  if (t == 0.0f || !isfinite(max_val)) {
+  if (is_greedy_temperature(t) || !isfinite(max_val)) {
     row_write<kVec>(out, V, [&](int64_t v) { return v == argmax ? 1.0f : 0.0f; });
     return;
   }
@@ -856,3 +859,28 @@ void sample_tokens_cuda(const at::Tensor& probs, const at::Tensor& seeds, const 
 }
 
 }  // namespace specrt
+
+TORCH_LIBRARY_IMPL(specrt, CUDA, m) {
+  using at::Tensor;
+  m.impl("probs_from_logits",
+         [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p, bool check) {
+           return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, check,
+                                               &specrt::probs_from_logits_cuda);
+         });
+  m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
+                             const Tensor& num_draft_tokens, bool check) {
+    return specrt::verify_greedy_op(target_logits, draft_token_ids, num_draft_tokens, check,
+                                    &specrt::verify_greedy_cuda);
+  });
+  m.impl("rejection_sample",
+         [](const Tensor& target_probs, const std::optional<Tensor>& draft_probs, const Tensor& draft_token_ids,
+            const Tensor& num_draft_tokens, const Tensor& seeds, const Tensor& positions, std::string method,
+            bool check) {
+           return specrt::rejection_sample_op(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds,
+                                              positions, method, check, &specrt::rejection_sample_cuda);
+         });
+  m.impl("sample_tokens",
+         [](const Tensor& probs, const Tensor& seeds, const Tensor& positions, int64_t purpose, bool check) {
+           return specrt::sample_tokens_op(probs, seeds, positions, purpose, check, &specrt::sample_tokens_cuda);
+         });
+}

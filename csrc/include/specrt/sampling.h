@@ -59,6 +59,14 @@ SPECRT_HOST_DEVICE float race_score_at(float weight, const Philox4x32& block, ui
   return race_score(weight, uniform_from_bits(block.v[token & 3u]));
 }
 
+// Temperatures below kGreedyTemperature (0, tiny, negative or NaN) are greedy:
+// a one-hot row at the argmax. Dividing float32 logits by a smaller positive
+// temperature overflows (x / t = inf, inf - inf = NaN) for ordinary logits.
+// specrt/reference.py (TEMPERATURE_EPS) and specrt/ops.py mirror this rule.
+constexpr float kGreedyTemperature = 1e-5f;
+
+SPECRT_HOST_DEVICE bool is_greedy_temperature(float t) { return !(t >= kGreedyTemperature); }
+
 // Residual weight after rejecting a draft: max(p - q, 0).
 SPECRT_HOST_DEVICE float residual_weight(float p, float q) {
   const float d = p - q;
