@@ -5,7 +5,9 @@
 // Parallelism: at::parallel_for over (row, vocabulary chunk) tasks, so one
 // request with a 128k vocabulary still uses every core; per-chunk winners are
 // packed u64 (key, lowest index) and reduced with max, exactly as the CUDA
-// kernels reduce with atomicMax.
+// kernels reduce with atomicMax, so the thread count never changes a result.
+// The races run on the vector path csrc/cpu/cpu_isa.h picks (csrc/cpu/race.h):
+// bit-identical to the scalar definition, much faster.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,32 +15,19 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu/cpu_isa.h"
+#include "cpu/race.h"
 #include "ops.h"
 #include "specrt/sampling.h"
 
 namespace specrt {
 namespace {
 
-// Vocabulary chunk per task: a multiple of 4 so a Philox block never straddles
-// two tasks.
+// Vocabulary chunk per task: a multiple of 16 so the vector paths start on a
+// Philox block (4 tokens) and a full vector.
 constexpr int64_t kChunk = 8192;
 
 int64_t num_chunks(int64_t vocab) { return (vocab + kChunk - 1) / kChunk; }
-
-// Packed race winner over [begin, end) of one row. weight(v) gives w_v >= 0.
-template <typename WeightFn>
-uint64_t race_chunk(const WeightFn& weight, uint64_t seed, int64_t position, uint32_t purpose,
-                    int64_t begin, int64_t end) {
-  uint64_t best = 0;
-  Philox4x32 block{};
-  for (int64_t v = begin; v < end; ++v) {
-    if (v == begin || (v & 3) == 0) block = philox_block(seed, position, purpose, static_cast<uint32_t>(v));
-    const float w = weight(v);
-    if (w > 0.0f) best = std::max(best, race_candidate(race_score_at(w, block, static_cast<uint32_t>(v)),
-                                                       static_cast<uint32_t>(v)));
-  }
-  return best;
-}
 
 // Run task(row, begin, end) -> u64 over every (row, chunk) pair in parallel and
 // reduce each row's chunks with max. rows are given by index into `row_ids`.
@@ -199,7 +188,10 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
   const int64_t* pos = positions.data_ptr<int64_t>();
   int32_t* out = output_token_ids.data_ptr<int32_t>();
   int32_t* n_acc = num_accepted.data_ptr<int32_t>();
+  const CpuIsa isa = cpu_isa();
   std::fill(out, out + batch * k1, -1);
+  // unchecked inputs stay in bounds: counts clamped to [0, K]
+  auto drafted = [&](int64_t b) { return std::clamp<int64_t>(n_draft[b], 0, k); };
 
   if (method == AcceptMethod::kCoupled) {
     // Round i: every request still accepting races its target row i under
@@ -210,16 +202,19 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
       const auto best = reduce_rows_by_chunks(
           static_cast<int64_t>(active.size()), vocab, [&](int64_t a, int64_t lo, int64_t hi) {
             const int64_t b = active[a];
-            const float* row = p + (b * k1 + i) * vocab;
-            return race_chunk([row](int64_t v) { return row[v]; }, static_cast<uint64_t>(seed[b]), pos[b] + i,
-                              kPurposeTarget, lo, hi);
+            RaceRow row;
+            row.p = p + (b * k1 + i) * vocab;
+            row.seed = static_cast<uint64_t>(seed[b]);
+            row.position = pos[b] + i;
+            row.purpose = kPurposeTarget;
+            return race(isa, row, lo, hi);
           });
       std::vector<int64_t> still;
       for (size_t a = 0; a < active.size(); ++a) {
         const int64_t b = active[a];
         const int32_t winner = race_winner(best[a]);
         out[b * k1 + i] = winner;
-        if (i < std::clamp<int64_t>(n_draft[b], 0, k) && draft[b * k + i] == winner) {
+        if (i < drafted(b) && draft[b * k + i] == winner) {
           still.push_back(b);
         } else {
           n_acc[b] = static_cast<int32_t>(i);
@@ -232,73 +227,55 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
 
   // Phase 1: coins. first[b] = index of the first rejected draft, or n if all accepted.
   std::vector<int64_t> first(static_cast<size_t>(batch));
-  at::parallel_for(0, batch, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n = std::clamp<int64_t>(n_draft[b], 0, k);  // unchecked inputs stay in bounds
-      int64_t i = 0;
-      for (; i < n; ++i) {
-        const int32_t x = draft[b * k + i];
-        if (x < 0 || x >= vocab) break;  // an out-of-range draft id is rejected, never read
-        const float p_x = p[(b * k1 + i) * vocab + x];
-        const float q_x = q ? q[(b * k + i) * vocab + x] : 1.0f;
-        const float u = uniform(static_cast<uint64_t>(seed[b]), pos[b] + i, kPurposeAccept, 0u);
-        if (!accept_draft(u, p_x, q_x)) break;
-        out[b * k1 + i] = x;
-      }
-      first[b] = i;
-      n_acc[b] = static_cast<int32_t>(i);
-    }
-  });
-
-  // Phase 2: one race per request over its residual row (rejected) or p_n
-  // (bonus), RESIDUAL noise at the emitted position. The same noise also races
-  // p itself: the fallback when the residual is all zero.
-  const int64_t chunks = num_chunks(vocab);
-  std::vector<uint64_t> partial(static_cast<size_t>(batch * chunks * 2), 0);
-  at::parallel_for(0, batch * chunks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / chunks;
-      const int64_t c = t % chunks;
-      const int64_t begin = c * kChunk;
-      const int64_t end = std::min(vocab, begin + kChunk);
-      const int64_t i = first[b];
-      const bool rejected = i < std::clamp<int64_t>(n_draft[b], 0, k);
-      const float* prow = p + (b * k1 + i) * vocab;
-      const uint64_t s = static_cast<uint64_t>(seed[b]);
-      if (!rejected) {
-        partial[2 * t] = race_chunk([prow](int64_t v) { return prow[v]; }, s, pos[b] + i, kPurposeResidual,
-                                    begin, end);
-        continue;
-      }
-      const int32_t x = draft[b * k + i];
-      const float* qrow = q ? q + (b * k + i) * vocab : nullptr;
-      uint64_t best_residual = 0;
-      uint64_t best_p = 0;
-      Philox4x32 block{};
-      for (int64_t v = begin; v < end; ++v) {
-        if (v == begin || (v & 3) == 0)
-          block = philox_block(s, pos[b] + i, kPurposeResidual, static_cast<uint32_t>(v));
-        const float pv = prow[v];
-        if (!(pv > 0.0f)) continue;  // residual max(p - q, 0) is 0 too
-        const float qv = qrow ? qrow[v] : (v == x ? 1.0f : 0.0f);
-        const float e = exponential_from_uniform(uniform_from_bits(block.v[v & 3]));
-        const float w = residual_weight(pv, qv);
-        best_residual = std::max(best_residual, race_candidate(w / e, static_cast<uint32_t>(v)));
-        best_p = std::max(best_p, race_candidate(pv / e, static_cast<uint32_t>(v)));
-      }
-      partial[2 * t] = best_residual;
-      partial[2 * t + 1] = best_p;
-    }
-  });
   for (int64_t b = 0; b < batch; ++b) {
-    uint64_t best_residual = 0, best_p = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      best_residual = std::max(best_residual, partial[2 * (b * chunks + c)]);
-      best_p = std::max(best_p, partial[2 * (b * chunks + c) + 1]);
+    const int64_t n = drafted(b);
+    int64_t i = 0;
+    for (; i < n; ++i) {
+      const int32_t x = draft[b * k + i];
+      if (x < 0 || x >= vocab) break;  // an out-of-range draft id is rejected, never read
+      const float p_x = p[(b * k1 + i) * vocab + x];
+      const float q_x = q ? q[(b * k + i) * vocab + x] : 1.0f;
+      const float u = uniform(static_cast<uint64_t>(seed[b]), pos[b] + i, kPurposeAccept, 0u);
+      if (!accept_draft(u, p_x, q_x)) break;
+      out[b * k1 + i] = x;
     }
-    const bool rejected = first[b] < std::clamp<int64_t>(n_draft[b], 0, k);
-    out[b * k1 + first[b]] = race_winner(rejected && best_residual == 0 ? best_p : best_residual);
+    first[b] = i;
+    n_acc[b] = static_cast<int32_t>(i);
   }
+
+  // Phase 2: one race per request, RESIDUAL noise at the emitted position, over
+  // the only row that is sampled: the residual max(p - q, 0) at the first
+  // rejection, or p_n (bonus) when every draft was accepted.
+  auto sampled_row = [&](int64_t b, bool residual) {
+    const int64_t i = first[b];
+    RaceRow row;
+    row.p = p + (b * k1 + i) * vocab;
+    row.seed = static_cast<uint64_t>(seed[b]);
+    row.position = pos[b] + i;
+    row.purpose = kPurposeResidual;
+    if (residual && i < drafted(b)) {
+      row.weights = q ? RaceWeights::kResidual : RaceWeights::kResidualOneHot;
+      row.q = q ? q + (b * k + i) * vocab : nullptr;
+      row.onehot = draft[b * k + i];
+    }
+    return row;
+  };
+  const auto best = reduce_rows_by_chunks(batch, vocab, [&](int64_t b, int64_t lo, int64_t hi) {
+    return race(isa, sampled_row(b, true), lo, hi);
+  });
+  // A residual that is all zero (q >= p everywhere, only by rounding) falls back
+  // to racing p itself under the same noise.
+  std::vector<int64_t> empty;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (best[b] == 0 && first[b] < drafted(b)) empty.push_back(b);
+    else out[b * k1 + first[b]] = race_winner(best[b]);
+  }
+  if (empty.empty()) return;
+  const auto fallback = reduce_rows_by_chunks(static_cast<int64_t>(empty.size()), vocab,
+                                              [&](int64_t e, int64_t lo, int64_t hi) {
+                                                return race(isa, sampled_row(empty[e], false), lo, hi);
+                                              });
+  for (size_t e = 0; e < empty.size(); ++e) out[empty[e] * k1 + first[empty[e]]] = race_winner(fallback[e]);
 }
 
 void sample_tokens_cpu(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
@@ -309,9 +286,14 @@ void sample_tokens_cpu(const at::Tensor& probs, const at::Tensor& seeds, const a
   const int64_t* seed = seeds.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   int32_t* out = tokens.data_ptr<int32_t>();
+  const CpuIsa isa = cpu_isa();
   const auto best = reduce_rows_by_chunks(rows, vocab, [&](int64_t r, int64_t lo, int64_t hi) {
-    const float* row = p + r * vocab;
-    return race_chunk([row](int64_t v) { return row[v]; }, static_cast<uint64_t>(seed[r]), pos[r], purpose, lo, hi);
+    RaceRow row;
+    row.p = p + r * vocab;
+    row.seed = static_cast<uint64_t>(seed[r]);
+    row.position = pos[r];
+    row.purpose = purpose;
+    return race(isa, row, lo, hi);
   });
   for (int64_t r = 0; r < rows; ++r) out[r] = race_winner(best[r]);
 }
