@@ -271,3 +271,127 @@ def test_thread_count_does_not_change_tokens():
     for threads, per_isa in results.items():
         _assert_same(per_isa, f"{threads} threads")
         _assert_same({"scalar": results[1]["scalar"], "x": per_isa["scalar"]}, f"{threads} vs 1 thread")
+
+
+# --------------------------------------------------------------------------- #
+# probs_from_logits
+# --------------------------------------------------------------------------- #
+TEMPS = (0.0, 0.3, 0.8, 1.0, 2.5)
+TOP_PS = (1.0, 0.999999, 0.999, 0.9, 0.5, 0.05, 1e-9)
+
+
+def _logits_rows(n: int, v: int, g: torch.Generator) -> torch.Tensor:
+    """Gaussian logits of several scales, exact ties, NaN, -inf, an all-NaN row, a +inf row."""
+    scale = torch.tensor([0.5, 2.0, 8.0, 30.0])[torch.randint(0, 4, (n, 1), generator=g)]
+    x = torch.randn(n, v, generator=g) * scale
+    tied = torch.randint(-4, 5, (n, v), generator=g).float() * 0.75
+    x = torch.where(torch.rand(n, v, generator=g) < 0.3, tied, x)
+    x[torch.rand(n, v, generator=g) < 0.05] = float("nan")
+    x[torch.rand(n, v, generator=g) < 0.03] = float("-inf")
+    x[0] = float("nan")
+    if n > 2:
+        x[1] = 1.5
+        x[2, v // 2] = float("inf")
+    return x
+
+
+def _params(n: int, v: int, g: torch.Generator):
+    temps = torch.tensor(TEMPS)[torch.randint(0, len(TEMPS), (n,), generator=g)]
+    ks = torch.tensor([0, 1, 2, 50, v - 1, v, v + 3, max(v // 3, 1)])
+    top_k = ks[torch.randint(0, len(ks), (n,), generator=g)].clamp(min=0).int()
+    top_p = torch.tensor(TOP_PS)[torch.randint(0, len(TOP_PS), (n,), generator=g)]
+    return temps, top_k, top_p
+
+
+@pytest.mark.parametrize("v", VOCABS + (32000,))
+def test_probs_from_logits_every_isa_matches_scalar(v):
+    g = _gen("probs", v)
+    n = 48
+    logits = _logits_rows(n, v, g)
+    params = _params(n, v, g)
+    results = _all_isas(lambda: [ops.probs_from_logits(logits, *params)])
+    for name, (got,) in results.items():
+        assert torch.equal(got.view(torch.int32), results["scalar"][0].view(torch.int32)), name
+    got = results["scalar"][0]
+    assert bool(torch.isfinite(got).all())
+    assert torch.allclose(got.double().sum(-1), torch.ones(n, dtype=torch.float64), atol=1e-5)
+
+
+def _cut_by_sort(probs: torch.Tensor, top_p: float) -> float:
+    """The top-p cut's definition: sort descending, cumulative sum in double."""
+    p = probs[probs > 0].double().sort(descending=True).values
+    csum = torch.cumsum(p, 0).float()
+    reach = torch.nonzero(csum >= top_p)
+    return float(p[int(reach[0])] if reach.numel() else p[-1])
+
+
+@pytest.mark.parametrize("v", (7, 1000, 32000))
+def test_top_p_cut_is_the_sorted_cumsum_cut(v):
+    """The binned top-p search keeps exactly what sorting the row would keep (incl. the
+    fallback when the cut falls among probs < 2^-29, and top_p reached by the last prob)."""
+    g = _gen("top-p", v)
+    n = 32
+    logits = torch.randn(n, v, generator=g) * torch.tensor([1.0, 4.0, 12.0, 40.0]).repeat(n // 4)[:, None]
+    temps = torch.ones(n)
+    top_k = torch.zeros(n, dtype=torch.int32)
+    top_p = torch.tensor([0.5, 0.9, 0.99, 0.999999, 0.9999999, 1e-6, 0.7, 0.95])[torch.arange(n) % 8]
+    # one likely token and a long tail of probs near 1e-9 < 2^-29: the cut lies in the tail
+    logits[-3:] = -20.7 + 0.3 * torch.randn(3, v, generator=g)
+    logits[-3:, 0] = 0.0
+    top_p[-3:] = torch.tensor([1.0 - 2e-5 * v / 32000, 1.0 - 1e-5 * v / 32000, 0.99999994])
+    for name in SUPPORTED:
+        with _isa(name):
+            full = ops.probs_from_logits(logits, temps, top_k, torch.ones(n))
+            got = ops.probs_from_logits(logits, temps, top_k, top_p)
+        for r in range(n):
+            if float(top_p[r]) >= 1.0:   # off (1 - 4e-9 rounds to 1 in float32)
+                want = full[r] > 0
+            else:
+                want = full[r] >= _cut_by_sort(full[r], float(top_p[r]))
+            assert torch.equal(got[r] > 0, want), (name, r)
+
+
+@pytest.mark.parametrize("k", (1, 3, 50, 300, 999, 5000))
+def test_top_k_keeps_the_k_largest_and_ties(k):
+    g = _gen("top-k", k)
+    n, v = 6, 7001
+    logits = torch.randint(-40, 40, (n, v), generator=g).float() * 0.5   # many exact ties
+    logits[1] = torch.randn(v, generator=g)
+    logits[2, ::7] = float("nan")
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.9, 2.0])
+    for name in SUPPORTED:
+        with _isa(name):
+            got = ops.probs_from_logits(logits, temps, torch.full((n,), k, dtype=torch.int32), torch.ones(n))
+        x = torch.nan_to_num(logits, nan=float("-inf")) / temps[:, None]
+        kth = x.sort(-1, descending=True).values[:, k - 1 : k]
+        assert torch.equal(got > 0, x >= kth), name
+
+
+def test_probs_thread_count_does_not_change_floats():
+    g = _gen("probs-threads")
+    n, v = 13, 20011
+    logits = _logits_rows(n, v, g)
+    params = _params(n, v, g)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(ops.probs_from_logits(logits, *params))
+    finally:
+        torch.set_num_threads(before)
+    for out in outs[1:]:
+        assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("v", (1, 5, 16, 17, 1000))
+def test_verify_greedy_every_isa_matches_scalar(v):
+    from _cases import greedy_case   # noqa: E402  (tests/ is on sys.path under pytest)
+    g = _gen("greedy", v)
+    logits, ids, nd = greedy_case(6, v, 3, g, jitter=True)
+    logits[1, 1] = -0.0
+    logits[1, 1, v // 2] = 0.0                      # -0.0 ties +0.0: the lowest index wins
+    results = _all_isas(lambda: list(ops.verify_greedy(logits, ids, nd)))
+    _assert_same(results, f"verify_greedy V={v}")
+    want = reference.verify_greedy(logits, ids, nd)
+    assert torch.equal(results["scalar"][0], want[0]) and torch.equal(results["scalar"][1], want[1])

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "cpu/cpu_isa.h"
+#include "cpu/probs.h"
+#include "cpu/probs_select.h"
 #include "cpu/race.h"
 #include "ops.h"
 #include "specrt/sampling.h"
@@ -48,82 +50,39 @@ std::vector<uint64_t> reduce_rows_by_chunks(int64_t num_rows, int64_t vocab, con
   return best;
 }
 
-// argmax with NaN as -inf and ties to the lowest index, as a packed u64 (the
-// same answer as a scan with pack_argmax(ordered_key(x), v)). Two passes: the
-// max with 8 independent accumulators (x > m is false for NaN, so NaN never
-// wins), then the first index equal to it (-0.0 == +0.0).
-uint64_t argmax_chunk(const float* row, int64_t begin, int64_t end) {
-  float acc[8];
-  for (float& a : acc) a = -INFINITY;
-  int64_t v = begin;
-  for (; v + 8 <= end; v += 8)
-    for (int j = 0; j < 8; ++j) acc[j] = row[v + j] > acc[j] ? row[v + j] : acc[j];
-  for (; v < end; ++v) acc[0] = row[v] > acc[0] ? row[v] : acc[0];
-  float m = acc[0];
-  for (int j = 1; j < 8; ++j) m = acc[j] > m ? acc[j] : m;
-  int64_t first = begin;  // every entry is -inf or NaN: they tie, the lowest index wins
-  if (m != -INFINITY) {
-    for (first = begin; first < end && !(row[first] == m); ++first) {
-    }
-  }
-  return pack_argmax(ordered_key(m), static_cast<uint32_t>(first));
+// argmax of row[begin, end) (NaN as -inf, ties to the lowest index) packed as
+// pack_argmax(ordered_key(max), index), so chunks reduce with max.
+uint64_t argmax_chunk(CpuIsa isa, const float* row, int64_t begin, int64_t end) {
+  const int64_t best = begin + argmax(isa, row + begin, end - begin);
+  return pack_argmax(ordered_key(row[best]), static_cast<uint32_t>(best));
 }
 
-// One row of probs_from_logits; `scratch` has room for V floats.
-void probs_row(const float* logits, float temperature, int32_t top_k, float top_p, int64_t vocab,
+// Greedy rows: temperature 0 (see DESIGN.md section 2).
+bool greedy_temperature(float temperature) { return temperature == 0.0f; }
+
+// One row of probs_from_logits; `scratch` is working space. Each pass is one of
+// csrc/cpu/probs.h on the chosen instruction set; the thresholds come from
+// csrc/cpu/probs_select.h (no sort of the row).
+void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k, float top_p, int64_t vocab,
                float* out, std::vector<float>& scratch) {
-  const int32_t best = unpack_argmax_index(argmax_chunk(logits, 0, vocab));
+  const int64_t best = argmax(isa, logits, vocab);
   const float max_logit = logits[best] != logits[best] ? -INFINITY : logits[best];
-  if (temperature == 0.0f || !std::isfinite(max_logit)) {
+  if (greedy_temperature(temperature) || !std::isfinite(max_logit)) {
     std::fill(out, out + vocab, 0.0f);
     out[best] = 1.0f;
     return;
   }
-  // temperature, NaN as -inf
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float x = logits[v];
-    out[v] = x != x ? -INFINITY : x / temperature;
-  }
-  // top-k: keep every logit >= the k-th largest
-  if (top_k > 0 && top_k < vocab) {
-    scratch.assign(out, out + vocab);
-    std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
-    const float kth = scratch[top_k - 1];
-    for (int64_t v = 0; v < vocab; ++v)
-      if (!(out[v] >= kth)) out[v] = -INFINITY;
-  }
-  // softmax
-  const float m = max_logit / temperature;
-  double sum = 0.0;
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float e = std::exp(out[v] - m);
-    out[v] = e;
-    sum += e;
-  }
-  const float inv = static_cast<float>(sum);
-  for (int64_t v = 0; v < vocab; ++v) out[v] = out[v] / inv;
+  // top-k: keep every logit whose x / temperature is >= that of the k-th largest
+  // (division is monotone, so that is the k-th largest of the x / temperature)
+  float floor = -INFINITY;
+  if (top_k > 0 && top_k < vocab) floor = kth_largest(isa, logits, vocab, top_k, scratch) / temperature;
+  // softmax (NaN logits count as -inf and get 0)
+  const double sum = softmax_numerators(isa, logits, vocab, temperature, max_logit / temperature, floor, out);
+  divide(isa, out, vocab, static_cast<float>(sum));
   // top-p: keep every prob >= the prob where the descending cumsum reaches top_p
   if (top_p < 1.0f) {
-    scratch.clear();
-    for (int64_t v = 0; v < vocab; ++v)
-      if (out[v] > 0.0f) scratch.push_back(out[v]);
-    std::sort(scratch.begin(), scratch.end(), std::greater<float>());
-    double csum = 0.0;
-    float cut = scratch.empty() ? 0.0f : scratch.back();
-    for (float p : scratch) {
-      csum += p;
-      if (static_cast<float>(csum) >= top_p) {
-        cut = p;
-        break;
-      }
-    }
-    double kept = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) {
-      if (out[v] >= cut) kept += out[v];
-      else out[v] = 0.0f;
-    }
-    const float norm = static_cast<float>(kept);
-    for (int64_t v = 0; v < vocab; ++v) out[v] = out[v] / norm;
+    const float cut = top_p_cut(isa, out, vocab, top_p, scratch);
+    divide(isa, out, vocab, static_cast<float>(keep_at_least(isa, out, vocab, cut)));
   }
 }
 
@@ -138,10 +97,11 @@ void probs_from_logits_cpu(const at::Tensor& logits, const at::Tensor& temperatu
   const int32_t* k = top_k.data_ptr<int32_t>();
   const float* p = top_p.data_ptr<float>();
   float* out = probs.data_ptr<float>();
+  const CpuIsa isa = cpu_isa();
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch;
-    scratch.reserve(static_cast<size_t>(vocab));
-    for (int64_t r = lo; r < hi; ++r) probs_row(x + r * vocab, t[r], k[r], p[r], vocab, out + r * vocab, scratch);
+    for (int64_t r = lo; r < hi; ++r)
+      probs_row(isa, x + r * vocab, t[r], k[r], p[r], vocab, out + r * vocab, scratch);
   });
 }
 
@@ -156,11 +116,12 @@ void verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_
   const int32_t* n_draft = num_draft_tokens.data_ptr<int32_t>();
   int32_t* out = output_token_ids.data_ptr<int32_t>();
   int32_t* n_acc = num_accepted.data_ptr<int32_t>();
+  const CpuIsa isa = cpu_isa();
   // argmax of every (request, position) row the request can reach (positions
   // 0..num_draft_tokens), vocabulary split in chunks
   const auto best = reduce_rows_by_chunks(batch * k1, vocab, [&](int64_t row, int64_t lo, int64_t hi) {
     if (row % k1 > std::clamp<int64_t>(n_draft[row / k1], 0, k1 - 1)) return uint64_t{0};
-    return argmax_chunk(logits + row * vocab, lo, hi);
+    return argmax_chunk(isa, logits + row * vocab, lo, hi);
   });
   for (int64_t b = 0; b < batch; ++b) {
     // unchecked inputs stay in bounds: counts clamped to [0, K]; a bad id never equals an argmax

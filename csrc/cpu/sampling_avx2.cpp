@@ -1,10 +1,12 @@
-// The exponential race with AVX2 (csrc/cpu/race_simd.h): 8 tokens per
-// vector, 2 Philox blocks per vector.
+// The AVX2 paths of the CPU sampling kernels: the exponential race
+// (csrc/cpu/race_simd.h, 8 tokens and 2 Philox blocks per vector) and the
+// probs_from_logits row passes (csrc/cpu/probs_simd.h).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/probs.h"
 #include "cpu/race.h"
 #include "cpu/simd_target.h"
 
@@ -30,6 +32,19 @@ struct V {
   static F neg(F a) { return _mm256_xor_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN))); }
   static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
   static M ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
+  static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
+  static M le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  // The lanes of m, packed to the front (one at a time: AVX2 has no compress).
+  static int64_t compress_store(float* out, M m, F x) {
+    uint32_t lanes = bits(m);
+    if (lanes == 0) return 0;
+    alignas(32) float values[8];
+    _mm256_store_ps(values, x);
+    int64_t count = 0;
+    for (; lanes != 0; lanes &= lanes - 1) out[count++] = values[__builtin_ctz(lanes)];
+    return count;
+  }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }  // a > b ? a : b, b if either is NaN
   static M and_m(M a, M b) { return _mm256_and_ps(a, b); }
   static uint32_t bits(M m) { return static_cast<uint32_t>(_mm256_movemask_ps(m)); }
   static F select(M m, F if_true, F if_false) { return _mm256_blendv_ps(if_false, if_true, m); }
@@ -42,6 +57,28 @@ struct V {
   static I or_i(I a, I b) { return _mm256_or_si256(a, b); }
   static I not_i(I a) { return _mm256_xor_si256(a, _mm256_set1_epi32(-1)); }
   static I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I cvtt(F x) { return _mm256_cvttps_epi32(x); }
+  template <int N>
+  static I srai(I x) { return _mm256_srai_epi32(x, N); }
+  template <int N>
+  static I slli(I x) { return _mm256_slli_epi32(x, N); }
+  // 16 double lanes fed 16 floats (two vectors) at a time (probs.h).
+  struct Sum16 {
+    __m256d acc[4];
+    Sum16() {  // written out: an implicit constructor would miss the target region
+      for (__m256d& a : acc) a = _mm256_setzero_pd();
+    }
+    void add(const F (&e)[2]) {
+      for (int r = 0; r < 2; ++r) {
+        acc[2 * r] = _mm256_add_pd(acc[2 * r], _mm256_cvtps_pd(_mm256_castps256_ps128(e[r])));
+        acc[2 * r + 1] = _mm256_add_pd(acc[2 * r + 1], _mm256_cvtps_pd(_mm256_extractf128_ps(e[r], 1)));
+      }
+    }
+    void store(double* lanes) const {
+      for (int j = 0; j < 4; ++j) _mm256_storeu_pd(lanes + 4 * j, acc[j]);
+    }
+  };
   static I add_one_where(M m, I x) { return _mm256_sub_epi32(x, _mm256_castps_si256(m)); }  // m lanes are -1
   static I block_words(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
     return _mm256_broadcastsi128_si256(_mm_set_epi32(static_cast<int>(w3), static_cast<int>(w2), static_cast<int>(w1),
@@ -61,6 +98,7 @@ struct V {
   }
 };
 
+#include "cpu/probs_simd.h"
 #include "cpu/race_simd.h"
 
 }  // namespace avx2
@@ -73,11 +111,36 @@ void exponential_noise_avx2(const float* u, float* e, int64_t n) {
   avx2::exponential_noise<avx2::V>(u, e, n);
 }
 
+double softmax_numerators_avx2(const float* x, int64_t n, float t, float m, float floor, float* out) {
+  return avx2::ProbsSimd<avx2::V>::softmax_numerators(x, n, t, m, floor, out);
+}
+
+void divide_avx2(float* out, int64_t n, float d) { avx2::ProbsSimd<avx2::V>::divide(out, n, d); }
+
+int64_t collect_range_avx2(const float* x, int64_t n, float lo, float hi, float* out) {
+  return avx2::ProbsSimd<avx2::V>::collect_range(x, n, lo, hi, out);
+}
+
+int64_t argmax_avx2(const float* x, int64_t n) { return avx2::ProbsSimd<avx2::V>::argmax(x, n); }
+
+double keep_at_least_avx2(float* out, int64_t n, float cut) {
+  return avx2::ProbsSimd<avx2::V>::keep_at_least(out, n, cut);
+}
+
 }  // namespace specrt
 SPECRT_TARGET_END
 #else
 namespace specrt {
 uint64_t race_avx2(const RaceRow& row, int64_t begin, int64_t end) { return race_scalar(row, begin, end); }
 void exponential_noise_avx2(const float* u, float* e, int64_t n) { exponential_noise(CpuIsa::kScalar, u, e, n); }
+double softmax_numerators_avx2(const float* x, int64_t n, float t, float m, float floor, float* out) {
+  return softmax_numerators_scalar(x, n, t, m, floor, out);
+}
+void divide_avx2(float* out, int64_t n, float d) { divide_scalar(out, n, d); }
+int64_t collect_range_avx2(const float* x, int64_t n, float lo, float hi, float* out) {
+  return collect_range_scalar(x, n, lo, hi, out);
+}
+int64_t argmax_avx2(const float* x, int64_t n) { return argmax_scalar(x, n); }
+double keep_at_least_avx2(float* out, int64_t n, float cut) { return keep_at_least_scalar(out, n, cut); }
 }  // namespace specrt
 #endif
