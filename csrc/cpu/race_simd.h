@@ -1,5 +1,6 @@
 // csrc/cpu/race_simd.h — the exponential race (csrc/cpu/race.h) written once
-// over a vector-traits struct V, for csrc/cpu/race_avx2.cpp and race_avx512.cpp.
+// over a vector-traits struct V, for csrc/cpu/sampling_avx2.cpp and
+// sampling_avx512.cpp.
 //
 // Include it only inside an instruction-set target region and an ISA-specific
 // namespace, after V is defined (it includes nothing itself). It reproduces
@@ -9,11 +10,11 @@
 //    serves both multiplies of a round and the output words land in token order;
 //  - uniform, log_det and the race score with the same IEEE float operations in
 //    the same order (no FMA), so every lane rounds exactly like the scalar code;
-//  - work that cannot change the winner is skipped: a vector whose weights are
-//    all zero draws no Philox, and an entry scores at most the best so far (s)
-//    when w < s * kPruneMargin * (1 - U), which needs no log: only vectors with
-//    a possible winner evaluate log_det. Entries are visited in increasing
-//    index order, so a pruned entry that ties s loses the tie anyway.
+//  - work that cannot change the winner is skipped: with s the best score so
+//    far, an entry scores strictly less than s when w < s * kPruneMargin * (1 - U),
+//    which needs no log, and when w < s * kPruneMargin * 2^-24 it needs no Philox
+//    either (nor do weight-0 entries). Only vectors with a possible winner
+//    evaluate log_det; only vectors with an entry above that floor draw Philox.
 
 template <class V>
 inline typename V::F log_det_v(typename V::F x) {
@@ -85,15 +86,6 @@ struct RaceSimd {
     }
   }
 
-  // The random words of tokens [v, v + kGroup * kLanes), v a multiple of 4.
-  template <int G>
-  void philox(int64_t v, I (&c)[G]) const {
-    const I mul = V::block_words(kPhiloxM0, 0u, kPhiloxM1, 0u);
-    for (int g = 0; g < G; ++g) c[g] = V::counter_at(counter_base, static_cast<uint32_t>(v + g * kLanes) >> 2);
-    for (int round = 0; round < 10; ++round)
-      for (int g = 0; g < G; ++g) c[g] = V::philox_round(c[g], mul, keys[round]);
-  }
-
   // s * kPruneMargin * 2^-23 for the best score s so far; 0 (no pruning) while
   // s is tiny, so that the bounds below never leave the normal float range.
   static float prune_scale(uint64_t best) {
@@ -112,32 +104,49 @@ struct RaceSimd {
     return best;
   }
 
-  // One step over G vectors from v (v a multiple of 4).
-  template <RaceWeights W, int G>
-  uint64_t step(int64_t v, uint64_t best) const {
-    // An entry can only win if w >= bound(U) = scale * (((~bits) >> 9) + 1/2), where
-    // scale * (((~bits) >> 9) + 1/2) rounds s * margin * (1 - U) (exact but for
-    // the rounding of scale and of the product; kPruneMargin covers both).
-    float scale = prune_scale(best);
-    // bound(U) >= scale / 2 for every U: lighter entries need no noise at all, and
-    // neither do entries of weight 0 (the least positive float stands in while s = 0).
-    F floor = V::set1(scale > 0.0f ? scale * 0.5f : 1.40129846e-45f);
-    F w[G];
-    uint32_t live = 0;
-    for (int g = 0; g < G; ++g) {
-      w[g] = weights<W>(v + g * kLanes);
-      live |= V::bits(V::ge(w[g], floor));
-    }
-    if (live == 0) return best;
+  // An entry can only win if w >= bound(U) = scale * (((~bits) >> 9) + 1/2), where
+  // scale * (((~bits) >> 9) + 1/2) rounds s * margin * (1 - U) (exact but for the
+  // rounding of scale and of the product; kPruneMargin covers both). bound(U) >=
+  // scale / 2 for every U: lighter entries need no noise at all, and neither do
+  // entries of weight 0 (the least positive float stands in while s = 0).
+  static F floor_of(float scale) { return V::set1(scale > 0.0f ? scale * 0.5f : 1.40129846e-45f); }
+
+  // Philox and the pruning bound for G vectors at at[g] (multiples of 4, increasing).
+  template <int G>
+  uint64_t draw(const int64_t* at, const F* w, uint64_t best) const {
+    const I mul = V::block_words(kPhiloxM0, 0u, kPhiloxM1, 0u);
     I c[G];
-    philox<G>(v, c);
+    for (int g = 0; g < G; ++g) c[g] = V::counter_at(counter_base, static_cast<uint32_t>(at[g]) >> 2);
+    for (int round = 0; round < 10; ++round)
+      for (int g = 0; g < G; ++g) c[g] = V::philox_round(c[g], mul, keys[round]);
+    float scale = prune_scale(best);
     for (int g = 0; g < G; ++g) {
       const F bound = V::mul(V::set1(scale), V::add(V::cvt(V::template srli<9>(V::not_i(c[g]))), V::set1(0.5f)));
       if (V::bits(V::ge(w[g], bound)) == 0) continue;
-      best = std::max(best, score_vector(w[g], c[g], v + g * kLanes));
+      best = std::max(best, score_vector(w[g], c[g], at[g]));
       scale = prune_scale(best);
     }
     return best;
+  }
+
+  // One step over G vectors from v (v a multiple of 4): when none has an entry
+  // above the floor nothing is drawn, when one has it draws alone, else all G
+  // draw together (independent Philox chains in flight: two cost about one).
+  template <RaceWeights W, int G>
+  uint64_t step(int64_t v, uint64_t best) const {
+    const F floor = floor_of(prune_scale(best));
+    int64_t at[G];
+    F w[G];
+    uint32_t live = 0;
+    for (int g = 0; g < G; ++g) {
+      at[g] = v + g * kLanes;
+      w[g] = weights<W>(at[g]);
+      live |= static_cast<uint32_t>(V::bits(V::ge(w[g], floor)) != 0) << g;
+    }
+    if (live == 0) return best;
+    if (G == 1 || (live & (live - 1)) != 0) return draw<G>(at, w, best);  // two or more: together
+    const int g = __builtin_ctz(live);
+    return draw<1>(at + g, w + g, best);
   }
 
   template <RaceWeights W>
