@@ -119,7 +119,11 @@ inline float top_p_cut(CpuIsa isa, const float* p, int64_t n, float top_p, std::
   buffer.resize(static_cast<size_t>(n + kCollectSlack));
   const int64_t size = collect_range(isa, p, n, uint_as_float(kExactBits - 1), INFINITY, buffer.data());
   double hist[4][256] = {};  // 4 interleaved copies: consecutive adds don't wait on each other
-  for (int64_t i = 0; i < size; ++i) hist[i & 3][detail::bin_of(buffer[i], 20)] += buffer[i];
+  const float* data = buffer.data();
+  int64_t i = 0;
+  for (; i + 4 <= size; i += 4)
+    for (int j = 0; j < 4; ++j) hist[j][detail::bin_of(data[i + j], 20)] += data[i + j];
+  for (; i < size; ++i) hist[0][detail::bin_of(data[i], 20)] += data[i];
   double bins[256], total = 0.0;
   for (int b = 0; b < 256; ++b) {
     bins[b] = ((hist[0][b] + hist[1][b]) + hist[2][b]) + hist[3][b];

@@ -96,8 +96,14 @@ struct ProbsSimd {
 
   static void divide(float* out, int64_t n, float d) {
     const F dv = V::set1(d);
+    const uint32_t all = (1u << V::kLanes) - 1;
+    const bool skip_zeros = d > 0.0f && d < INFINITY;  // then 0 / d is 0: masked-out entries stay as they are
     int64_t v = 0;
-    for (; v + V::kLanes <= n; v += V::kLanes) V::store(out + v, V::div(V::load(out + v), dv));
+    for (; v + V::kLanes <= n; v += V::kLanes) {
+      const F o = V::load(out + v);
+      if (skip_zeros && V::bits(V::eq(o, V::zero())) == all) continue;
+      V::store(out + v, V::div(o, dv));
+    }
     for (; v < n; ++v) out[v] = out[v] / d;
   }
 

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 
 #include "cpu/probs.h"
@@ -14,6 +15,18 @@
 SPECRT_TARGET_AVX2_BEGIN
 namespace specrt {
 namespace avx2 {
+
+// kCompress[m] lists the set lanes of the 8-bit mask m first (for compress_store).
+constexpr std::array<std::array<int32_t, 8>, 256> make_compress_table() {
+  std::array<std::array<int32_t, 8>, 256> table{};
+  for (int m = 0; m < 256; ++m) {
+    int next = 0;
+    for (int lane = 0; lane < 8; ++lane)
+      if (m & (1 << lane)) table[m][next++] = lane;
+  }
+  return table;
+}
+constexpr auto kCompress = make_compress_table();
 
 struct V {
   using F = __m256;
@@ -34,15 +47,13 @@ struct V {
   static M ge(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }
   static M eq(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_EQ_OQ); }
   static M le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
-  // The lanes of m, packed to the front (one at a time: AVX2 has no compress).
+  // The lanes of m, packed to the front (a permutation from kCompress), stored
+  // as a whole vector; returns their count.
   static int64_t compress_store(float* out, M m, F x) {
-    uint32_t lanes = bits(m);
-    if (lanes == 0) return 0;
-    alignas(32) float values[8];
-    _mm256_store_ps(values, x);
-    int64_t count = 0;
-    for (; lanes != 0; lanes &= lanes - 1) out[count++] = values[__builtin_ctz(lanes)];
-    return count;
+    const uint32_t lanes = bits(m);
+    const __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kCompress[lanes].data()));
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(x, order));
+    return __builtin_popcount(lanes);
   }
   static F max(F a, F b) { return _mm256_max_ps(a, b); }  // a > b ? a : b, b if either is NaN
   static M and_m(M a, M b) { return _mm256_and_ps(a, b); }
