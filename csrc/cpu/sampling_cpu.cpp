@@ -32,7 +32,7 @@ constexpr int64_t kChunk = 8192;
 int64_t num_chunks(int64_t vocab) { return (vocab + kChunk - 1) / kChunk; }
 
 // Run task(row, begin, end) -> u64 over every (row, chunk) pair in parallel and
-// reduce each row's chunks with max. rows are given by index into `row_ids`.
+// reduce each row's chunks with max (rows 0..num_rows-1; the task maps them).
 template <typename TaskFn>
 std::vector<uint64_t> reduce_rows_by_chunks(int64_t num_rows, int64_t vocab, const TaskFn& task) {
   const int64_t chunks = num_chunks(vocab);
