@@ -129,7 +129,7 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
   a.window = window;
   a.max_query_len = max_query_len;
   a.max_seq_len = max_seq_len;
-  if (values && B > 0) check_values(a);
+  if (values) check_values(a);
   a.out = at::empty_like(q);
   return a;
 }

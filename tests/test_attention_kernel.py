@@ -183,6 +183,11 @@ def test_empty_request_and_default_bounds():
                         m.block_tables[1:]])
     got = ops.paged_attention(case.q, case.cache, tables, seq, qsl, case.scale)
     assert torch.equal(got, case.run(max_query_len=3, max_seq_len=20))
+    # no requests at all: only padding rows, all zero
+    none = ops.paged_attention(case.q[:2].contiguous(), case.cache, tables[:0], seq[:0], qsl[:1], case.scale)
+    assert none.shape == (2, *case.q.shape[1:]) and torch.all(none == 0)
+    with pytest.raises(ValueError, match=r"query_start_loc\[0\] = 3 must be 0"):
+        ops.paged_attention(case.q, case.cache, tables[:0], seq[:0], qsl[1:2], case.scale)
 
 
 # ----------------------------------------------------------------------------- bad input

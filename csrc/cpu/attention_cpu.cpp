@@ -476,7 +476,6 @@ class Kernel {
   // One chunk: the output (acc / l). Several: this chunk's partial (m, l, acc) of every lane.
   void finish(const Request& r, int64_t h, int64_t c, const LaneGroup* groups) const {
     const int64_t lanes = G_ * r.query_len;
-    float* part = part_ + r.part_offset + ((h * r.num_chunks + c) * lanes) * (D_ + 2);
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const LaneGroup& g = groups[lane / kLanes];
       const int i = lane % kLanes;
@@ -485,7 +484,7 @@ class Kernel {
         for (int d = 0; d < D_; ++d) o[d] = g.acc[d * kLanes + i] / g.l[i];
         continue;
       }
-      float* p = part + lane * (D_ + 2);
+      float* p = part_ + r.part_offset + ((h * r.num_chunks + c) * lanes + lane) * (D_ + 2);
       p[0] = g.m[i];
       p[1] = g.l[i];
       for (int d = 0; d < D_; ++d) p[2 + d] = g.acc[d * kLanes + i];
