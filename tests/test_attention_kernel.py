@@ -310,3 +310,26 @@ def test_cuda_matches_cpu_bit_for_bit(dtype, window):
             ops.paged_attention(q, cache, bad, seq, qsl, scale, w, max_query_len=16, max_seq_len=700)
     finally:
         ops.set_debug_checks(False)
+
+
+def test_benchmark_script_runs(capsys, tmp_path):
+    """bench/attention.py end to end on tiny sizes (it checks kernel == gather + SDPA before timing)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    threads = torch.get_num_threads()
+    try:
+        bench.main(["--threads", "1", "--batches", "2", "--contexts", "40,300", "--layers", "2", "--reps", "1",
+                    "--no-forward", "--json", str(tmp_path / "out.json")])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "copy bandwidth" in out and "sdpa/kernel" in out
+    rows = json.loads((tmp_path / "out.json").read_text())["attention"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(2, 40), (2, 300)]
+    assert all(r["kv_mb"] > 0 and r["floor_ms"] > 0 for r in rows)
