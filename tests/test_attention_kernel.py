@@ -316,11 +316,13 @@ def test_benchmark_script_runs(capsys, tmp_path):
     """bench/attention.py end to end on tiny sizes (it checks kernel == gather + SDPA before timing)."""
     import importlib.util
     import json
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "bench" / "attention.py"
     spec = importlib.util.spec_from_file_location("bench_attention", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     threads = torch.get_num_threads()
     try:
