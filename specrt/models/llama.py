@@ -236,7 +236,8 @@ class _KernelBatch:
         self.max_s = max(sls[b] for b in members)
         if whole:
             self.rows = None
-            self.block_tables, self.seq_lens, self.query_start_loc = meta.block_tables, meta.seq_lens, meta.query_start_loc
+            self.block_tables, self.seq_lens = meta.block_tables, meta.seq_lens
+            self.query_start_loc = meta.query_start_loc
             return
         rows, qsl = [], [0]
         for b in members:
@@ -385,8 +386,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     long, batch = plan.kernel()
     w = window or 0
     if batch is not None and batch.rows is None:  # every request: one call (padding rows come back zero)
-        return _ops.paged_attention(q.contiguous(), layer_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                    scale, w, batch.max_q, batch.max_s)
+        return _ops.paged_attention(q.contiguous(), layer_cache, batch.block_tables, batch.seq_lens,
+                                    batch.query_start_loc, scale, w, batch.max_q, batch.max_s)
     T, H, D = q.shape
     out = q.new_zeros(T, H, D) if T > plan.num_rows else q.new_empty(T, H, D)
     _attend_fresh(plan, q, k, v, out, scale, window)
