@@ -395,3 +395,65 @@ def log_det(x: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
     return torch.ops.specrt.log_det(x.float().contiguous())
+
+
+# ----------------------------------------------------------------------------- paged attention
+# (torch.library op specrt::paged_attention: csrc/attention_ops.cpp, kernels csrc/cpu/attention_cpu.cpp,
+# csrc/cuda/attention_cuda.cu, shared math csrc/include/specrt/attention.h)
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, window: int | None = 0,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    check_values: bool | None = None) -> torch.Tensor:
+    """Attention of every request's new queries directly over its paged KV blocks (no gather copy).
+
+    Request b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of ``q``; its
+    query i sits at position ``seq_lens[b] - query_len + i`` and attends causally to the
+    request's keys ``0 .. pos`` (the last ``window`` of them when ``window`` > 0), read from
+    ``kv_cache`` through ``block_tables`` — the new tokens' K/V must already be written
+    (``write_kv``). Query head h uses kv head ``h // (H // Hkv)`` (GQA). float32 accumulation
+    with an online softmax; a long context is split into 256-key chunks across threads / CTAs
+    and combined in a fixed order, so a query's output does not depend on its batch
+    neighbours, the number of queries of its request, the block size or the thread count, and
+    the CPU and CUDA kernels return the same bits (csrc/include/specrt/attention.h).
+
+    Shape: q [T, H, D] float32; kv_cache [2, num_blocks, block_size, Hkv, D] (one layer of the
+    model cache) float32, bfloat16 or float16; block_tables [B, max_blocks] int32 (-1 padded);
+    seq_lens [B] int64 (context length including the new tokens); query_start_loc [B+1] int64.
+    ``max_query_len`` / ``max_seq_len`` bound the query lengths and seq_lens (host ints: the CUDA
+    kernel sizes its grid from them without a sync); computed from the tensors when omitted
+    (CPU tensors only).
+
+    Returns: out [T, H, D] float32; rows past ``query_start_loc[B]`` (padding) are zero.
+
+    Example:
+        >>> meta = AttentionMetadata.build([7, 3], [5, 1], [[4, 0], [2]], block_size=4)
+        >>> out = ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens,
+        ...                           meta.query_start_loc, scale=head_dim ** -0.5)
+    """
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if max_query_len is None or max_seq_len is None:
+        if not (isinstance(seq_lens, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)):
+            raise TypeError("seq_lens and query_start_loc must be tensors")
+        if seq_lens.device.type != "cpu" or query_start_loc.device.type != "cpu":
+            raise ValueError("pass max_query_len and max_seq_len for device tensors (reading them would sync)")
+        if max_query_len is None:
+            max_query_len = int(query_start_loc.diff().max()) if query_start_loc.numel() > 1 else 0
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    return torch.ops.specrt.paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, float(scale),
+                                            int(window or 0), int(max_query_len), int(max_seq_len),
+                                            _check_values(q, check_values))
+
+
+@torch.library.register_fake("specrt::paged_attention")
+def _paged_attention_fake(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, max_query_len,
+                          max_seq_len, check_values):
+    return torch.empty_like(q)
+
+
+def attention_cpu_isa(cap: int = -1) -> int:
+    """Testing hook: cap the instruction set of the CPU attention kernel (0 portable scalar code,
+    1 AVX2+FMA, 2 AVX-512; -1 only asks) and return the level in use before the call. Every level
+    returns the same bits; tests use this to check that."""
+    return int(torch.ops.specrt._attention_cpu_isa(int(cap)))

@@ -277,3 +277,35 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
             continue
         cache[layer, 0, slot // block_size, slot % block_size] = k[t]
         cache[layer, 1, slot // block_size, slot % block_size] = v[t]
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Attention of each request's new queries over its paged context, in float64, one request at a time.
+
+    q [T, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D] (one layer); block_tables [B, max_blocks];
+    seq_lens [B]; query_start_loc [B+1]. Query i of request b sits at position
+    ``seq_lens[b] - query_len + i`` and sees keys ``max(0, pos - window + 1) .. pos`` (``window`` 0:
+    all up to pos). Query head h reads kv head ``h // (H // Hkv)``. Returns float32 [T, H, D]; rows
+    past ``query_start_loc[B]`` are zero.
+    """
+    T, H, D = q.shape
+    block_size, Hkv = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros(T, H, D, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for b, s in enumerate(seq_lens.tolist()):
+        n = starts[b + 1] - starts[b]
+        if n == 0:
+            continue
+        keys = torch.arange(s)
+        blocks = block_tables[b].long()[keys // block_size]
+        k = kv_cache[0, blocks, keys % block_size].double().repeat_interleave(H // Hkv, dim=1)  # [s, H, D]
+        v = kv_cache[1, blocks, keys % block_size].double().repeat_interleave(H // Hkv, dim=1)
+        pos = torch.arange(s - n, s)[:, None]  # [n, 1]
+        visible = keys[None, :] <= pos
+        if window > 0:
+            visible &= keys[None, :] > pos - window
+        scores = torch.einsum("nhd,shd->hns", q[starts[b]:starts[b + 1]].double(), k) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H, n, s]
+        out[starts[b]:starts[b + 1]] = torch.einsum("hns,shd->nhd", probs, v).float()
+    return out

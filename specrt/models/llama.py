@@ -5,11 +5,15 @@ Module and parameter names mirror transformers (``model.layers.0.self_attn.q_pro
 (RMSNorm in fp32, RoPE cos/sin in fp32 cast to the activation dtype, lm_head in the
 model dtype, logits returned as float32), so fp32 logits match to ~1e-6.
 
-Attention is the torch path: K/V are written with ``write_kv`` and read back through the
-block table, then ``F.scaled_dot_product_attention`` with the right causal offsets. Per
-forward the requests split into three groups (decided from host-side lengths, no
-device->host sync):
-  * fresh prefills (no earlier context): attend over their own new K/V, ``is_causal``;
+Attention: K/V are written with ``write_kv``; decode and K+1 verify rows then attend with
+``ops.paged_attention``, a kernel that reads the paged blocks in place (no gather copy), causal
+within the new tokens, GQA, sliding window, float32 accumulation. Fresh prefills (no earlier
+context) attend over their own new K/V with ``F.scaled_dot_product_attention`` (``is_causal``),
+and chunks of more than _KERNEL_MAX_QUERY tokens after a cached prefix gather their blocks and
+use SDPA. The torch path (``paged_attention_sdpa``: half-precision attention, the
+``set_attention_backend("sdpa")`` reference) splits the requests into three groups (decided
+from host-side lengths, no device->host sync):
+  * fresh prefills, as above;
   * everything else (decode, K+1 verify, chunks after a cached prefix): ONE padded batch
     ``[B, max_q]`` x ``[B, max_ctx]`` with a boolean mask — except chunks longer than
     _LONG_QUERY tokens that would make the padded batch > 4x the useful work: those run
@@ -40,7 +44,15 @@ from torch import nn
 from specrt.kv_cache import AttentionMetadata, write_kv
 from specrt.models.config import ModelConfig
 
-_LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan)
+_LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan.sdpa)
+_KERNEL_MAX_QUERY = 16  # longer chunks (prefill after a cached prefix) attend with SDPA, a GEMM-shaped problem
+
+try:  # the compiled paged-attention kernel; without it every call takes the gather + SDPA path
+    from specrt import ops as _ops
+    if not hasattr(_ops, "paged_attention"):
+        _ops = None
+except Exception:  # noqa: BLE001 - not built / import error
+    _ops = None
 
 _ACTS = {
     "silu": F.silu,
@@ -179,14 +191,11 @@ class _Group:
                 rows.extend(range(starts[b], starts[b] + qls[b]))
                 req.extend([j] * qls[b])
                 qi.extend(range(qls[b]))
-
-            def t(x):
-                return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
-
-            self.rows, self.req, self.qi = t(rows), t(req), t(qi)
-            sel = t(members)
+            self.rows, self.req, self.qi = _device_ints(rows, dev), _device_ints(req, dev), _device_ints(qi, dev)
+            sel = _device_ints(members, dev)
             self.block_tables = meta.block_tables[sel, : self.num_blocks]
-            q_lens, s_lens = t([qls[b] for b in members]), t([sls[b] for b in members])
+            q_lens = _device_ints([qls[b] for b in members], dev)
+            s_lens = _device_ints([sls[b] for b in members], dev)
         self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
         self._q_lens, self._s_lens, self._ctx, self._dev = q_lens, s_lens, self.num_blocks * bs, dev
         # decode fast path: one query per request at the same length -> keys [0, s) need no mask
@@ -210,8 +219,44 @@ class _Group:
         return self._masks[window]
 
 
+def _device_ints(x: list[int], device, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)  # host -> device only, no sync
+
+
+class _KernelBatch:
+    """Requests attended by the paged-attention kernel in one call (decode and K+1 verify rows).
+
+    whole: every request of the metadata, in order (its tensors as they are); else the members'
+    rows are gathered from q (``rows``) with their own block tables / lengths."""
+
+    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool):
+        qls, sls = meta.query_lens_host, meta.seq_lens_host
+        dev = meta.seq_lens.device
+        self.max_q = max(qls[b] for b in members)
+        self.max_s = max(sls[b] for b in members)
+        if whole:
+            self.rows = None
+            self.block_tables, self.seq_lens = meta.block_tables, meta.seq_lens
+            self.query_start_loc = meta.query_start_loc
+            return
+        rows, qsl = [], [0]
+        for b in members:
+            rows.extend(range(starts[b], starts[b] + qls[b]))
+            qsl.append(qsl[-1] + qls[b])
+        sel = _device_ints(members, dev)
+        self.rows = _device_ints(rows, dev)  # [T_kernel] rows of q
+        self.block_tables = meta.block_tables.index_select(0, sel)  # [B_kernel, max_blocks] int32
+        self.seq_lens = meta.seq_lens.index_select(0, sel)  # [B_kernel] int64
+        self.query_start_loc = _device_ints(qsl, dev)  # [B_kernel + 1] int64
+
+
 class _Plan:
-    """How one AttentionMetadata's requests are grouped (host lists only; built once per call)."""
+    """How one AttentionMetadata's requests are grouped (host lists only; built once per call).
+
+    Fresh prefills (no earlier context) attend over their own new K/V with SDPA. The rest either
+    go to the paged-attention kernel (``kernel()``: at most _KERNEL_MAX_QUERY new tokens each;
+    longer chunks after a cached prefix run alone through a gather + SDPA) or, for half-precision
+    attention and the reference path, to padded gather + SDPA batches (``sdpa()``)."""
 
     def __init__(self, meta: AttentionMetadata):
         meta.ensure_derived()
@@ -220,37 +265,57 @@ class _Plan:
         for q in qls:
             starts.append(starts[-1] + q)
         self.fresh: list[tuple[int, int, int]] = []  # (request, row start, q)
-        self.long: list[tuple[int, int, int, int]] = []  # (request, row start, q, seq_len)
-        rest: list[int] = []
+        self.rest: list[int] = []
         for b, (q, s) in enumerate(zip(qls, sls)):
             if q == s and q > 1:
                 self.fresh.append((b, starts[b], q))
             else:
-                rest.append(b)
-        # pad the rest into one batch unless a long chunk would mostly pad it: then it runs alone
-        rest.sort(key=lambda b: qls[b])
-        while len(rest) > 1 and qls[rest[-1]] > _LONG_QUERY:
-            padded = len(rest) * qls[rest[-1]] * max(sls[b] for b in rest)
-            useful = sum(qls[b] * sls[b] for b in rest)
-            if padded <= 4 * useful:
-                break
-            b = rest.pop()
-            self.long.append((b, starts[b], qls[b], sls[b]))
+                self.rest.append(b)
         self.num_rows = starts[-1]
-        self.groups: list[_Group] = []
-        if rest:
-            # a verify step mixes one-query requests (nothing drafted) with K+1-query ones: padded
-            # together, every one-query request would attend max_q rows; split in two batches
-            # when that padding is most of the work (a second SDPA costs less than that)
-            one = sorted(b for b in rest if qls[b] == 1)
-            multi = sorted(b for b in rest if qls[b] > 1)
-            if one and multi and len(rest) * qls[rest[-1]] > 2 * sum(qls[b] for b in rest):
-                self.groups = [_Group(meta, one, starts, False), _Group(meta, multi, starts, False)]
-            else:
-                members = sorted(rest)
-                self.groups = [_Group(meta, members, starts, len(members) == len(qls))]
-        self.all_batched = len(self.groups) == 1 and self.groups[0].rows is None
+        self._meta, self._starts = meta, starts
+        self._sdpa: tuple | None = None
+        self._kernel: tuple | None = None
         self._masks: dict = {}
+
+    def kernel(self) -> tuple[list[tuple[int, int, int, int]], _KernelBatch | None]:
+        """(long chunks (request, row start, q, seq_len) for gather + SDPA, the kernel's batch or None)."""
+        if self._kernel is None:
+            qls, sls, starts = self._meta.query_lens_host, self._meta.seq_lens_host, self._starts
+            members = [b for b in self.rest if qls[b] <= _KERNEL_MAX_QUERY]
+            long = [(b, starts[b], qls[b], sls[b]) for b in self.rest if qls[b] > _KERNEL_MAX_QUERY]
+            batch = _KernelBatch(self._meta, members, starts, len(members) == len(qls)) if members else None
+            self._kernel = (long, batch)
+        return self._kernel
+
+    def sdpa(self) -> tuple[list[tuple[int, int, int, int]], list[_Group], bool]:
+        """(long chunks, padded groups, all_batched: one group holding every request in order)."""
+        if self._sdpa is None:
+            qls, sls, starts = self._meta.query_lens_host, self._meta.seq_lens_host, self._starts
+            long: list[tuple[int, int, int, int]] = []
+            # pad the rest into one batch unless a long chunk would mostly pad it: then it runs alone
+            rest = sorted(self.rest, key=lambda b: qls[b])
+            while len(rest) > 1 and qls[rest[-1]] > _LONG_QUERY:
+                padded = len(rest) * qls[rest[-1]] * max(sls[b] for b in rest)
+                useful = sum(qls[b] * sls[b] for b in rest)
+                if padded <= 4 * useful:
+                    break
+                b = rest.pop()
+                long.append((b, starts[b], qls[b], sls[b]))
+            groups: list[_Group] = []
+            if rest:
+                # a verify step mixes one-query requests (nothing drafted) with K+1-query ones: padded
+                # together, every one-query request would attend max_q rows; split in two batches
+                # when that padding is most of the work (a second SDPA costs less than that)
+                one = sorted(b for b in rest if qls[b] == 1)
+                multi = sorted(b for b in rest if qls[b] > 1)
+                if one and multi and len(rest) * qls[rest[-1]] > 2 * sum(qls[b] for b in rest):
+                    groups = [_Group(self._meta, one, starts, False), _Group(self._meta, multi, starts, False)]
+                else:
+                    members = sorted(rest)
+                    groups = [_Group(self._meta, members, starts, len(members) == len(qls))]
+            all_batched = len(groups) == 1 and groups[0].rows is None
+            self._sdpa = (long, groups, all_batched)
+        return self._sdpa
 
     def mask(self, key, q: int, s: int, window: int | None, device) -> torch.Tensor | None:
         """[q, s] mask for queries at positions s-q..s-1 over keys 0..s-1 (None = plain causal, q == s)."""
@@ -274,26 +339,10 @@ def _plan(meta: AttentionMetadata) -> _Plan:
     return plan
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Attention of the new tokens over their requests' paged context.
-
-    q [T, H, D]; k/v [T, Hkv, D] (this call's, already written to the cache);
-    layer_cache [2, num_blocks, block_size, Hkv, D]. Returns [T, H, D].
-    """
-    plan = _plan(meta)
-    T, H, D = q.shape
-    Hkv = k.shape[1]
-    bs = layer_cache.shape[2]
-    gqa = H != Hkv
-    if T > plan.num_rows:  # trailing padding rows (slot -1) belong to no request: zeros
-        out = q.new_zeros(T, H, D)
-    elif plan.all_batched and not plan.fresh and not plan.long:
-        out = None
-    else:
-        out = q.new_empty(T, H, D)
-
-    for b, start, n in plan.fresh:  # [1, H, n, D] over its own new K/V
+def _attend_fresh(plan: _Plan, q, k, v, out, scale: float, window: int | None) -> None:
+    """Fresh prefills: [1, H, n, D] over their own new K/V (causal SDPA)."""
+    gqa = q.shape[1] != k.shape[1]
+    for b, start, n in plan.fresh:
         qs = q[start:start + n].transpose(0, 1)[None]
         ks = k[start:start + n].transpose(0, 1)[None]
         vs = v[start:start + n].transpose(0, 1)[None]
@@ -301,7 +350,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=m is None, scale=scale, enable_gqa=gqa)
         out[start:start + n] = o[0].transpose(0, 1)
 
-    for b, start, n, s in plan.long:  # one request: gather its blocks
+
+def _attend_long(plan: _Plan, meta: AttentionMetadata, long, q, layer_cache, out, scale: float,
+                 window: int | None) -> None:
+    """Long chunks after a cached prefix, one request at a time: gather its blocks, then SDPA."""
+    _, bs, Hkv, D = layer_cache.shape[1:]
+    gqa = q.shape[1] != Hkv
+    for b, start, n, s in long:
         nb = -(-s // bs)
         blocks = meta.block_tables[b, :nb].long()
         kc = layer_cache[0, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
@@ -311,7 +366,61 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
         o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=m, scale=scale, enable_gqa=gqa)
         out[start:start + n] = o[0].transpose(0, 1)
 
-    for g in plan.groups:
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, window: int | None = None,
+                    backend: str = "kernel") -> torch.Tensor:
+    """Attention of the new tokens over their requests' paged context.
+
+    q [T, H, D]; k/v [T, Hkv, D] (this call's, already written to the cache);
+    layer_cache [2, num_blocks, block_size, Hkv, D]. Returns [T, H, D].
+
+    backend "kernel": decode and verify rows (up to _KERNEL_MAX_QUERY new tokens per request) run
+    through ``ops.paged_attention`` straight over the paged blocks (float32 q only); fresh prefills
+    and longer chunks use SDPA. "sdpa" (and half-precision q, or no compiled kernels): the gather +
+    SDPA path, :func:`paged_attention_sdpa`.
+    """
+    if backend == "sdpa" or _ops is None or q.dtype != torch.float32:
+        return paged_attention_sdpa(q, k, v, layer_cache, meta, scale, window)
+    plan = _plan(meta)
+    long, batch = plan.kernel()
+    w = window or 0
+    if batch is not None and batch.rows is None:  # every request: one call (padding rows come back zero)
+        return _ops.paged_attention(q.contiguous(), layer_cache, batch.block_tables, batch.seq_lens,
+                                    batch.query_start_loc, scale, w, batch.max_q, batch.max_s)
+    T, H, D = q.shape
+    out = q.new_zeros(T, H, D) if T > plan.num_rows else q.new_empty(T, H, D)
+    _attend_fresh(plan, q, k, v, out, scale, window)
+    _attend_long(plan, meta, long, q, layer_cache, out, scale, window)
+    if batch is not None:
+        o = _ops.paged_attention(q.index_select(0, batch.rows), layer_cache, batch.block_tables, batch.seq_lens,
+                                 batch.query_start_loc, scale, w, batch.max_q, batch.max_s)
+        out.index_copy_(0, batch.rows, o)
+    return out
+
+
+def paged_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """The gather + SDPA path (same contract as :func:`paged_attention`): per layer, ONE
+    ``index_select`` of every block the padded batch reads, then SDPA with a mask. Runs
+    attention in q's dtype (half-precision attention, like transformers) and is the torch
+    reference the kernel is checked against."""
+    plan = _plan(meta)
+    long, groups, all_batched = plan.sdpa()
+    T, H, D = q.shape
+    Hkv = k.shape[1]
+    bs = layer_cache.shape[2]
+    gqa = H != Hkv
+    if T > plan.num_rows:  # trailing padding rows (slot -1) belong to no request: zeros
+        out = q.new_zeros(T, H, D)
+    elif all_batched and not plan.fresh and not long:
+        out = None
+    else:
+        out = q.new_empty(T, H, D)
+    _attend_fresh(plan, q, k, v, out, scale, window)
+    _attend_long(plan, meta, long, q, layer_cache, out, scale, window)
+
+    for g in groups:
         Bg, nb = g.block_tables.shape
         mask = g.batched_mask(window)
         # ONE gather of K and V (index_select of whole blocks: ~4x cheaper than advanced indexing)
@@ -381,6 +490,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = config.layer_window(layer_idx)
         self.attn_fp32 = True  # LlamaForCausalLM.set_attention_fp32 toggles it
+        self.attn_backend = "kernel"  # LlamaForCausalLM.set_attention_backend toggles it
         hd = config.hidden_size
         self.q_proj = nn.Linear(hd, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
@@ -414,7 +524,8 @@ class LlamaAttention(nn.Module):
             # fp32 attention for half models: more accurate, and (nearly) independent of how the batch
             # is padded, so verify / decode / batched logits agree (greedy speculative == plain greedy)
             q, k, v = q.float(), k.float(), v.float()
-        o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window)  # [T, H, D]
+        o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window,
+                            self.attn_backend)  # [T, H, D]
         return _apply_linear(o_proj, o.to(x.dtype).reshape(T, H * D))
 
 
@@ -516,6 +627,14 @@ class LlamaForCausalLM(nn.Module):
         False computes it in the model dtype like transformers does."""
         for layer in self.model.layers:
             layer.self_attn.attn_fp32 = enabled
+
+    def set_attention_backend(self, backend: str) -> None:
+        """"kernel" (default): decode / verify attention with the paged-attention kernel; "sdpa": the
+        gather + SDPA torch path for every call (the reference; what benchmarks compare against)."""
+        if backend not in ("kernel", "sdpa"):
+            raise ValueError(f"backend must be 'kernel' or 'sdpa', got {backend!r}")
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = backend
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
