@@ -475,7 +475,7 @@ def forward_timer(model, ctx: int, tokens: int, batch: int = 1, num_layers: int 
     """A closure running one forward of `tokens` new tokens per request after `ctx` cached
     positions, for `batch` requests, over a private scratch KV cache (values do not matter)."""
     from specrt import ops
-    from specrt.kv_cache import AttentionMetadata
+    from specrt.attention import AttentionMetadata
 
     cfg = model.config
     dev = model.device

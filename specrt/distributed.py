@@ -52,7 +52,8 @@ import torch.distributed as dist
 
 from specrt.config import SpecConfig
 from specrt.engine import LLMEngine, resolve_model_path
-from specrt.kv_cache import AttentionMetadata, PagedKVCache, allocate_kv_cache
+from specrt.attention import AttentionMetadata
+from specrt.kv_cache import PagedKVCache, allocate_kv_cache
 from specrt.models import ModelConfig, load_model
 from specrt.models.tp import check_tp_divisible, shard_model_
 

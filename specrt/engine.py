@@ -28,7 +28,8 @@ import torch
 from specrt import ops
 from specrt.config import SamplingParams, SpecConfig
 from specrt.drafters import NgramProposer
-from specrt.kv_cache import AttentionMetadata, PagedKVCache, num_blocks_for_budget
+from specrt.attention import AttentionMetadata
+from specrt.kv_cache import PagedKVCache, num_blocks_for_budget
 from specrt.metrics import EngineMetrics
 from specrt.models import (check_draft_compatible, check_prompt_length, load_generation_config, load_model,
                            load_tokenizer)

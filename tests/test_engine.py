@@ -138,7 +138,7 @@ def test_requests_sharing_a_lagging_prefix_catch_up_together(pair, ar_greedy):
     assert got == [ar_greedy[0]] * 3 + [ar_greedy[1]]
     assert llm_.stats()["total"]["drafted_tokens"] > 0
     # a slot shared by two rows with DIFFERENT tokens is a real bug and still refused
-    from specrt.kv_cache import AttentionMetadata
+    from specrt.attention import AttentionMetadata
 
     meta = AttentionMetadata.build([4, 4], [4, 4], [[3], [3]], 4, token_ids=[1, 2, 3, 4] * 2)
     assert meta.slot_mapping.tolist() == [12, 13, 14, 15, -1, -1, -1, -1]

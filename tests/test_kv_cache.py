@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specrt import kv_cache as kvc
+from specrt.attention import AttentionMetadata, copy_blocks, write_kv
 from specrt.kv_cache import (
-    AttentionMetadata,
     KVCacheManager,
     OutOfBlocksError,
     PagedKVCache,
@@ -269,11 +269,9 @@ def _reference_ops():
         pytest.skip("specrt.reference not available")
 
 
-@pytest.mark.parametrize("impl", ["active", "torch_fallback"])
-def test_write_kv_and_copy_blocks_match_reference(impl):
+def test_write_kv_and_copy_blocks_match_reference():
     ref = _reference_ops()
-    write = kvc.write_kv if impl == "active" else kvc._write_kv_torch
-    copy = kvc.copy_blocks if impl == "active" else kvc._copy_blocks_torch
+    write, copy = write_kv, copy_blocks
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 2, 6, 4, 2, 3, generator=g)
     expected = cache.clone()
@@ -328,12 +326,3 @@ def test_budget_and_allocation():
         num_blocks_for_budget([cfg], 16, torch.float32, 100, "cpu")
     t = allocate_kv_cache(cfg, 3, 16, torch.bfloat16, "cpu", num_layers=1)
     assert t.shape == (1, 2, 3, 16, 2, 4) and t.dtype == torch.bfloat16
-
-
-def test_paged_cache_delegates_can_append_slots():
-    """PagedKVCache.can_append_slots answers like its manager (it once carried a broken copy)."""
-    cfg = tiny_config(layers=1, kv_heads=1, head_dim=4)
-    cache = PagedKVCache({"target": cfg}, num_blocks=3, block_size=4, dtype=torch.float32)
-    assert cache.allocate("a", [1, 2, 3]) == 0
-    assert cache.can_append_slots("a", 9) and not cache.can_append_slots("a", 10)
-    assert cache.can_append_slots("a", 9) == cache.manager.can_append_slots("a", 9)
