@@ -368,6 +368,15 @@ def num_blocks_for_budget(configs: list["ModelConfig"], block_size: int, dtype, 
     return n
 
 
+def kv_cache_blocks(configs: list["ModelConfig"], spec, dtype, device, max_model_len: int) -> int:
+    """The engine's block count: ``spec.kv_cache_budget`` of the device's free memory (or bytes);
+    a CPU budget fraction of free RAM is far more than small models need, so it is capped there."""
+    num_blocks = num_blocks_for_budget(configs, spec.block_size, dtype, spec.kv_cache_budget, device)
+    if torch.device(device).type == "cpu" and isinstance(spec.kv_cache_budget, float):
+        num_blocks = min(num_blocks, 64 + spec.max_batch_size * (max_model_len // spec.block_size + 2))
+    return num_blocks
+
+
 class PagedKVCache:
     """A KVCacheManager plus one cache tensor per model, e.g. {"target": T, "draft": D}.
 

@@ -571,7 +571,8 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from specrt.engine import LLM, LLMEngine
+    from specrt.engine import LLMEngine
+    from specrt.llm import LLM
 
     if engine is None:
         if target is None:

@@ -103,13 +103,13 @@ def test_lagging_draft_keeps_target_prefix_sharing(pair, ar_greedy):
     llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4), seed=0)
     eng = llm_.engine
     seen = []
-    alloc = eng._try_allocate
+    alloc = eng.scheduler.try_allocate
 
     def spy(req):
         ok = alloc(req)
         seen.append((req.target_cached, req.draft_cached))
         return ok
-    eng._try_allocate = spy
+    eng.scheduler.try_allocate = spy
     plan = eng.policy.plan
     eng.policy.plan = lambda reqs, caps, costs=None, catchup=None: [0] * len(reqs)   # speculation off
     first = tokens(llm_.generate([PROMPTS[0]], GREEDY))
@@ -160,7 +160,7 @@ def test_calibrate_seeds_both_step_kinds_and_leaves_no_trace(pair, ar_greedy):
     samples = eng.costs.verify_samples
     assert eng.costs.num_plain >= 4 and sum(s[2] for s in samples) >= 8
     assert {s[0] for s in samples if s[2]} >= {1 + 3, 3 + 9}          # drafted: batch + K per request
-    assert len(eng.costs.draft_samples) >= 8 and eng._forced_k is None
+    assert len(eng.costs.draft_samples) >= 8
     assert tokens(llm_.generate(PROMPTS[:3], GREEDY)) == ar_greedy[:3]
     eng.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(RuntimeError, match="idle engine"):
@@ -229,10 +229,10 @@ def test_ngram_index_equals_the_scan(sizes):
     what a scan of the whole context finds, for growing contexts, any k, small and large
     vocabularies (many and few matches), and rebuilds when the context got shorter or its
     last indexed token changed (a regenerated tail). It reports the length of the suffix it
-    matched (state["match_n"], 0 without a match)."""
+    matched (state.match_n, 0 without a match)."""
     import random
 
-    from specrt.drafters import NgramProposer
+    from specrt.drafters import NgramProposer, NgramState
 
     prop = NgramProposer(*sizes)
 
@@ -246,12 +246,12 @@ def test_ngram_index_equals_the_scan(sizes):
     for _ in range(150):
         vocab = rnd.choice([2, 3, 5, 50])
         ctx = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, 5))]
-        state = {}
+        state = NgramState()
         for _ in range(40):
             k = rnd.randrange(0, 6)
             assert prop.propose(ctx, k, state) == prop._scan(ctx, k), (ctx, k)
             if k:    # the match length the budget policy pools acceptance by
-                assert state["match_n"] == match_len(ctx), ctx
+                assert state.match_n == match_len(ctx), ctx
             ctx = ctx + [rnd.randrange(vocab) for _ in range(rnd.randrange(0, 4))]
         shorter = ctx[:rnd.randrange(1, len(ctx) + 1)]
         assert prop.propose(shorter, 3, state) == prop._scan(shorter, 3)

@@ -21,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 from _engine_utils import make_pair  # noqa: E402
 
 from specrt.config import SamplingParams, SpecConfig  # noqa: E402
-from specrt.engine import LLM  # noqa: E402
+from specrt.llm import LLM  # noqa: E402
 from specrt.server import build_parser, create_app, main  # noqa: E402
 
 K = 4
