@@ -15,6 +15,7 @@ recomputes its context later (see specrt.scheduler for what that reproduces).
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -30,8 +31,10 @@ from specrt.loading import ModelLoader, default_loader, resolve_model_path
 from specrt.metrics import EngineMetrics
 from specrt.models import check_prompt_length, load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
-from specrt.scheduler import Request, RequestOutput, Scheduler
+from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
 from specrt.verify import VerifyResult, accept, build_verify_batch, to_host
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -180,21 +183,36 @@ class LLMEngine:
         batch = list(self.scheduler.running)
         if not batch:
             return self._drain_finished()
+        try:
+            outs = self._run(batch, forced_k)
+        except Exception:   # noqa: BLE001 - whatever it was, only the requests it belongs to may fail
+            logger.warning("a step over %d requests raised; retrying them one by one", len(batch), exc_info=True)
+            outs = self._isolate(batch, forced_k)
+        return outs + self._drain_finished(exclude={o.request_id for o in outs})
+
+    def _run(self, batch: list[Request], forced_k: int | None) -> list[RequestOutput]:
+        """One speculative step over ``batch``. If it raises before the commit, every request is
+        as before it (so the step can be retried without the culprit)."""
         t_step = time.perf_counter()
-        ks, limits = self._plan(batch, forced_k)         # K per request
-        batch, ks = self._reserve(batch, ks)             # KV slots for the pending token + K drafts
-        if not batch:
-            return self._drain_finished()
-        before = [(len(r.output_token_ids), len(r.text)) for r in batch]
-        proposal = self._propose(batch, ks, limits)
-        t_verify = time.perf_counter()
-        vb = build_verify_batch(batch, proposal, self.kv, self.device)
-        logits, _ = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
-                                logits_indices=vb.logits_indices)                               # [R, V]
-        tokens, accepted = accept(vb, logits, self.spec.acceptance if self.speculative else None,
-                                  self.eos_token_ids)                                           # [B, K+1], [B]
-        pre, pre_s = self._pre_draft(batch, ks, proposal)   # overlap: the next round, on the draft stream
-        result = to_host(tokens, accepted, pre)             # the step's one device->host sync
+        saved = self.scheduler.save(batch)
+        try:
+            ks, limits = self._plan(batch, forced_k)     # K per request
+            batch, ks = self._reserve(batch, ks)         # KV slots for the pending token + K drafts
+            if not batch:
+                return []
+            before = [(len(r.output_token_ids), len(r.text)) for r in batch]
+            proposal = self._propose(batch, ks, limits)
+            t_verify = time.perf_counter()
+            vb = build_verify_batch(batch, proposal, self.kv, self.device)
+            logits, _ = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
+                                    logits_indices=vb.logits_indices)                           # [R, V]
+            tokens, accepted = accept(vb, logits, self.spec.acceptance if self.speculative else None,
+                                      self.eos_token_ids)                                       # [B, K+1], [B]
+            pre, pre_s = self._pre_draft(batch, ks, proposal)   # overlap: the next round, on the draft stream
+            result = to_host(tokens, accepted, pre)             # the step's one device->host sync
+        except Exception:
+            self.scheduler.restore(saved)
+            raise
         self._commit(batch, proposal, result, verify_s=time.perf_counter() - t_verify - pre_s)
         if forced_k is None:                             # calibration requests are synthetic: no evidence
             for r, n, a in zip(batch, proposal.num_draft_tokens, result.num_accepted):
@@ -203,7 +221,21 @@ class LLMEngine:
         self._record_costs(vb, proposal, step_s - pre_s)
         if self.speculative and forced_k is None:
             self.policy.step_done(sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch)), step_s)
-        return [r.output(*before[i]) for i, r in enumerate(batch)] + self._drain_finished(exclude=batch)
+        return [r.output(*before[i]) for i, r in enumerate(batch)]
+
+    def _isolate(self, batch: list[Request], forced_k: int | None) -> list[RequestOutput]:
+        """The step over ``batch`` raised: run it request by request; a request whose step still
+        raises on its own is failed (its KV freed), the others go on."""
+        outs = []
+        for r in batch:
+            if r.status != RequestStatus.RUNNING:
+                continue
+            try:
+                outs += self._run([r], forced_k)
+            except Exception as e:   # noqa: BLE001 - attributable to this request alone
+                logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
+                self._finish(r, "error", f"{type(e).__name__}: {e}")
+        return outs
 
     def _k_cap(self, r: Request, ahead: int = 0) -> int:
         """The most tokens r may draft (after ``ahead`` more tokens): room in max_tokens and the context."""
@@ -265,37 +297,45 @@ class LLMEngine:
 
     # -- commit
     def _commit(self, batch, proposal: DraftProposal, result: VerifyResult, verify_s: float) -> None:
-        """Keep what was accepted (KV rollback of the rest), emit, stop checks, metrics."""
+        """Keep what was accepted (KV rollback of the rest), emit, stop checks, metrics. A request
+        whose bookkeeping raises (e.g. its text cannot be decoded) fails alone."""
         for _ in range(proposal.pre_drafts_used):
             self.metrics.record_overlap(used=True)
-        drafted_total = max(sum(proposal.num_draft_tokens), 1)
-        verify_share = verify_s / len(batch)
+        share = (max(sum(proposal.num_draft_tokens), 1), verify_s / len(batch))
         for b, r in enumerate(batch):
-            n, a = proposal.num_draft_tokens[b], result.num_accepted[b]
-            emitted = result.output_token_ids[b][:a + 1]
-            L = r.context_len
-            r.target_cached = L + a
-            pre = result.pre_drafts.get(b)
-            kept = pre is not None and a == n and emitted[-1] == result.pre_draft_guess[b]
-            held = self.drafter.on_commit(r, b, proposal, pre, kept) if self.drafter is not None else None
-            if held is not None:
-                r.draft_cached = held
-            surplus = self.kv.num_tokens(r.request_id) - max(r.target_cached, 0 if held is None else held)
-            if surplus > 0:
-                self.kv.rollback(r.request_id, surplus)
-            if pre is not None:
-                self.metrics.record_overlap(used=False)
-            hidden_s = pre.seconds if kept and self.device.type == "cuda" else 0.0
-            share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
-            r.stats.record(n, a, len(emitted), share, verify_share, hidden_s)
-            self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_share, hidden_s)
-            reason = r.append_tokens(emitted, self.eos_token_ids, self.max_model_len, self.tokenizer.decode)
-            if reason is not None:
-                self._finish(r, reason)
-            else:
-                # a lagging draft KV does not hold back the target's prefix sharing: its blocks
-                # are registered target-only, and a later request's draft recomputes them
-                self.kv.commit(r.request_id, r.token_ids[:r.target_cached], all_caches_upto=held)
+            try:
+                self._commit_one(r, b, proposal, result, *share)
+            except Exception as e:   # noqa: BLE001
+                logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
+                self._finish(r, "error", f"{type(e).__name__}: {e}")
+
+    def _commit_one(self, r: Request, b: int, proposal: DraftProposal, result: VerifyResult, drafted_total: int,
+                    verify_share: float) -> None:
+        n, a = proposal.num_draft_tokens[b], result.num_accepted[b]
+        emitted = result.output_token_ids[b][:a + 1]
+        L = r.context_len
+        r.target_cached = L + a
+        pre = result.pre_drafts.get(b)
+        kept = pre is not None and a == n and emitted[-1] == result.pre_draft_guess[b]
+        held = self.drafter.on_commit(r, b, proposal, pre, kept) if self.drafter is not None else None
+        if held is not None:
+            r.draft_cached = held
+        surplus = self.kv.num_tokens(r.request_id) - max(r.target_cached, 0 if held is None else held)
+        if surplus > 0:
+            self.kv.rollback(r.request_id, surplus)
+        if pre is not None:
+            self.metrics.record_overlap(used=False)
+        hidden_s = pre.seconds if kept and self.device.type == "cuda" else 0.0
+        share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
+        r.stats.record(n, a, len(emitted), share, verify_share, hidden_s)
+        self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_share, hidden_s)
+        reason = r.append_tokens(emitted, self.eos_token_ids, self.max_model_len, self.tokenizer.decode)
+        if reason is not None:
+            self._finish(r, reason)
+        else:
+            # a lagging draft KV does not hold back the target's prefix sharing: its blocks
+            # are registered target-only, and a later request's draft recomputes them
+            self.kv.commit(r.request_id, r.token_ids[:r.target_cached], all_caches_upto=held)
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(r, reason, error)
@@ -304,11 +344,12 @@ class LLMEngine:
         self.metrics.record_finish(reason, len(r.prompt_token_ids))
         self._finished_pending.append(r)
 
-    def _drain_finished(self, exclude=()) -> list[RequestOutput]:
-        """Outputs of requests that finished outside the batch (abort, error); forget all finished."""
+    def _drain_finished(self, exclude=frozenset()) -> list[RequestOutput]:
+        """Outputs of requests that finished outside the step's outputs (``exclude``: their ids),
+        e.g. aborted or failed; forget all finished."""
         outs = []
         for r in self._finished_pending:
-            if not any(r is e for e in exclude):
+            if r.request_id not in exclude:
                 outs.append(r.output(len(r.output_token_ids), len(r.text)))
             self.scheduler.release(r)
         self._finished_pending = []

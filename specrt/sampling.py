@@ -10,14 +10,20 @@ import torch
 
 from specrt.config import SamplingParams
 
+_INT32_MAX = 2 ** 31 - 1
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 def param_rows(params: list[SamplingParams], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor,
                                                                                  torch.Tensor]:
-    """(temperature [R] f32, top_k [R] i32, top_p [R] f32): request i's parameters repeated counts[i] times."""
+    """(temperature [R] f32, top_k [R] i32, top_p [R] f32): request i's parameters repeated counts[i]
+    times. Values beyond the kernels' types mean the same clamped (a top_k >= the vocabulary keeps
+    every token; a temperature beyond float32 flattens the distribution like the largest one), so
+    no request's parameters can break its batch's step."""
     temps, topk, topp = [], [], []
     for p, c in zip(params, counts):
-        temps += [p.temperature] * c
-        topk += [p.top_k] * c
+        temps += [min(p.temperature, _FLOAT32_MAX)] * c
+        topk += [min(p.top_k, _INT32_MAX)] * c
         topp += [p.top_p] * c
     return (torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
             torch.tensor(topk, dtype=torch.int32).to(device, non_blocking=True),

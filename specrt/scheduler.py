@@ -15,7 +15,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 from specrt.config import SamplingParams
 from specrt.metrics import RequestStats
@@ -117,6 +117,16 @@ class Request:
         return reason
 
 
+class SavedRequest(NamedTuple):
+    """A running request's state before a step (``Scheduler.restore`` puts it back)."""
+
+    request: Request
+    target_cached: int
+    draft_cached: int
+    drafter_state: object
+    num_tokens: int          # KV slots it held
+
+
 class Scheduler:
     """FIFO admission with a batch-size cap; LIFO preemption. Owns the requests' KV blocks
     (through the PagedKVCache: the block copies that causes are applied there)."""
@@ -204,6 +214,21 @@ class Scheduler:
                 kept.append(r)
                 kept_k.append(k)
         return kept, kept_k, preempted, failed
+
+    def save(self, batch: list[Request]) -> list[SavedRequest]:
+        return [SavedRequest(r, r.target_cached, r.draft_cached, r.drafter_state, self.kv.num_tokens(r.request_id))
+                for r in batch]
+
+    def restore(self, saved: list[SavedRequest]) -> None:
+        """Undo a step that failed before its commit: positions, drafter state and KV slots as
+        saved (requests it preempted or finished stay so)."""
+        for s in saved:
+            r = s.request
+            if r.status == RequestStatus.RUNNING and self.kv.has_request(r.request_id):
+                r.target_cached, r.draft_cached, r.drafter_state = s.target_cached, s.draft_cached, s.drafter_state
+                extra = self.kv.num_tokens(r.request_id) - s.num_tokens
+                if extra > 0:
+                    self.kv.rollback(r.request_id, extra)
 
     def preempt_newest(self, exclude: Request | None = None) -> Request | None:
         """Move the most recently admitted running request (not ``exclude``) back to the front of

@@ -481,3 +481,94 @@ def test_metrics_and_prometheus(pair):
     assert steps == snap["total"]["steps"]          # every step counted once across the series
     assert "specrt_position_acceptance_rate{position=\"0\"}" in text
     assert "# TYPE specrt_emitted_tokens_total counter" in text
+
+
+# ----------------------------------------------------------------------------- reliability (issue 14)
+class _Flaky:
+    """A drafter or model that raises while ``fail(args)`` says so (every other call delegated)."""
+
+    def __init__(self, inner, method: str, fail):
+        self.inner, self.method, self.fail, self.raised = inner, method, fail, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name != self.method:
+            return attr
+
+        def call(*a, **kw):
+            if self.fail(a):
+                self.raised += 1
+                raise RuntimeError("injected fault")
+            return attr(*a, **kw)
+        return call
+
+    def __call__(self, *a, **kw):
+        return self.__getattr__("__call__")(*a, **kw) if self.method == "__call__" else self.inner(*a, **kw)
+
+
+def _once():
+    state = {"left": 1}
+
+    def fail(_args):
+        state["left"] -= 1
+        return state["left"] == 0
+    return fail
+
+
+def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy):
+    """A drafter that raises once, or a target forward that raises once: every request still
+    completes with the autoregressive tokens (the step is retried request by request) and the
+    engine serves on. A drafter that raises whenever one request is in its batch fails that
+    request alone (finish_reason "error", its KV freed, not left running); the others finish
+    with their tokens, and the engine serves afterwards."""
+    tdir, ddir = pair
+    spec = SpecConfig(max_draft_length=3)
+    flaky = {}
+
+    def wrap(d):
+        flaky["d"] = _Flaky(d, "propose", _once())
+        return flaky["d"]
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, wrap_drafter=wrap)
+    assert tokens(llm_.generate(PROMPTS, GREEDY)) == ar_greedy and flaky["d"].raised == 1
+    e = llm_.engine
+    assert not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks
+
+    from specrt.loading import default_loader
+    models = {}
+
+    def load(path, role, dtype, device):
+        m = default_loader(path, role, dtype, device)
+        if role == "target":
+            models["t"] = m = _Flaky(m, "__call__", _once())
+        return m
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, model_loader=load)
+    assert tokens(llm_.generate(PROMPTS, GREEDY)) == ar_greedy and models["t"].raised == 1
+
+    poison = [9, 9, 9, 9]
+
+    def wrap_poisoned(d):
+        flaky["p"] = _Flaky(d, "propose", lambda a: any(r.prompt_token_ids == poison for r in a[0]))
+        return flaky["p"]
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, wrap_drafter=wrap_poisoned)
+    e = llm_.engine
+    outs = llm_.generate(PROMPTS[:4] + [poison] + PROMPTS[4:], GREEDY)
+    bad = outs.pop(4)
+    assert bad.finish_reason == "error" and "injected fault" in bad.error and flaky["p"].raised >= 1
+    assert tokens(outs) == ar_greedy
+    assert not e.scheduler.running and not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks
+    assert tokens(llm_.generate(PROMPTS[:2], GREEDY)) == ar_greedy[:2]
+
+
+def test_a_request_whose_parameters_overflow_the_kernels_runs_normally(pair, ar_sampled):
+    """A top_k beyond int32 (it slipped past SamplingParams' own checks) means "no top-k" like
+    any top_k >= the vocabulary: it must not break the step for its batch neighbours, and it
+    samples exactly what top_k=0 samples."""
+    eng = llm(pair, "model", max_draft_length=3)
+    params = list(SAMPLED)
+    huge = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=0)
+    huge.top_k = 2 ** 31                     # what the engine must survive, however it got there
+    params[0] = huge
+    assert SAMPLED[0].top_k == 0
+    assert tokens(eng.generate(PROMPTS, params)) == tokens(eng.generate(PROMPTS, SAMPLED))
+    assert not eng.engine.has_unfinished()
+
