@@ -330,12 +330,18 @@ class TPEngine:
 
     # ------------------------------------------------------------------ LLMEngine interface
     def add_request(self, prompt, params=None, request_id: str | None = None, tag: str = "default") -> str:
+        return self.add_requests([prompt], [params], [tag], [request_id])[0]
+
+    def add_requests(self, prompts, params, tags=None, request_ids=None) -> list[str]:
+        """LLMEngine.add_requests: all validated on rank 0 before any is queued, then replayed."""
         with self._lock:
             self._check()
-            rid = self._engine.add_request(prompt, params, request_id=request_id, tag=tag)
-            req = self._engine.scheduler.requests[rid]
-            self._ops.append(("add", prompt, dataclasses.replace(req.params, seed=req.seed), rid, tag))
-            return rid
+            rids = self._engine.add_requests(prompts, params, tags, request_ids)
+            for rid in rids:
+                req = self._engine.scheduler.requests[rid]
+                self._ops.append(("add", req.prompt if req.prompt is not None else req.prompt_token_ids,
+                                  dataclasses.replace(req.params, seed=req.seed), rid, req.tag))
+            return rids
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

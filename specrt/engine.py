@@ -14,9 +14,7 @@ recomputes its context later (see specrt.scheduler for what that reproduces).
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 import threading
 import time
 from pathlib import Path
@@ -29,7 +27,8 @@ from specrt.drafters import Drafter, DraftProposal, DraftSettings, make_drafter,
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
 from specrt.loading import ModelLoader, default_loader, resolve_model_path
 from specrt.metrics import EngineMetrics
-from specrt.models import check_prompt_length, load_generation_config, load_tokenizer
+from specrt.intake import RequestIntake
+from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
 from specrt.verify import VerifyResult, accept, build_verify_batch, to_host
@@ -60,7 +59,6 @@ class LLMEngine:
         self.generation_config = load_generation_config(target_path)
         self.vocab_size = self.target.config.vocab_size
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.target.config.eos_token_ids))
-        self._rng = random.Random(seed)
         settings = DraftSettings(self.vocab_size, self.eos_token_ids, self.spec.acceptance == "coupled", self.device)
         self.drafter = make_drafter(draft, target_path, self.target, settings, load, dtype,
                                     accept_head=self.spec.policy == "head")
@@ -76,7 +74,7 @@ class LLMEngine:
         self.costs = CostModel()
         self.metrics = EngineMetrics()
         self._agree_ks = agree_ks
-        self._ids = itertools.count()
+        self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self._lock = threading.RLock()
         self._finished_pending: list[Request] = []
 
@@ -103,27 +101,18 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, tag: str = "default") -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            token_ids, text = self.tokenizer.encode(prompt), prompt
-        else:
-            token_ids, text = [int(t) for t in prompt], None
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:8]}")
-        if not token_ids:
-            raise ValueError("prompt is empty: at least one token is required")
-        check_prompt_length(self.target.config, len(token_ids), 0, self.max_model_len - 1)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(request_id=rid, prompt_token_ids=token_ids, params=params, seed=seed, prompt=text, tag=tag)
+        return self.add_requests([prompt], [params], [tag], [request_id])[0]
+
+    def add_requests(self, prompts: Sequence, params: Sequence[SamplingParams | None], tags: Sequence[str] | None = None,
+                     request_ids: Sequence[str | None] | None = None) -> list[str]:
+        """Validate every request, then queue them all; ValueError (naming the request) and
+        nothing queued if any is bad."""
+        reqs = self.intake.check(prompts, params, tags, request_ids, in_use=self.scheduler.requests)
         with self._lock:
-            self.scheduler.add(req)
-        return rid
+            self.intake.assign(reqs)
+            for r in reqs:
+                self.scheduler.add(r)
+        return [r.request_id for r in reqs]
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:

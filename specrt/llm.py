@@ -32,14 +32,16 @@ class LLM:
         return llm
 
     def _add_all(self, prompts, params, tags) -> list[str]:
+        """Queue every prompt, or none (ValueError) if any request is bad."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        elif not isinstance(params, (list, tuple)):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        tags = tags or ["default"] * len(prompts)
-        return [self.engine.add_request(p, sp, tag=t) for p, sp, t in zip(prompts, params, tags)]
+        return self.engine.add_requests(list(prompts), list(params), list(tags) if tags else None)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  tags: Sequence[str] | None = None) -> list[RequestOutput]:

@@ -572,3 +572,31 @@ def test_a_request_whose_parameters_overflow_the_kernels_runs_normally(pair, ar_
     assert tokens(eng.generate(PROMPTS, params)) == tokens(eng.generate(PROMPTS, SAMPLED))
     assert not eng.engine.has_unfinished()
 
+
+def test_python_api_refuses_bad_input_before_queuing_anything(pair):
+    """generate() validates every prompt before it queues any (no orphan left running); token
+    ids must be integers (not 100.7, "100" or True); params of the wrong type are named as such."""
+    import numpy as np
+
+    tdir, ddir = pair
+    eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=2), seed=0)
+    e = eng.engine
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate(["w5 w6", ""], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        eng.generate([[5, 6], [5, VOCAB]], GREEDY)
+    assert not e.has_unfinished()
+    for bad in ([5, 100.7], [5, "100"], [True, 5], [5.0]):
+        with pytest.raises(ValueError, match="integer"):
+            e.add_request(bad, GREEDY)
+    assert not e.has_unfinished()
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        eng.generate(["w5 w6"], {"temperature": 0.0})
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        eng.generate(["w5 w6", "w7"], [GREEDY, {"temperature": 0.0}])
+    assert not e.has_unfinished()
+    # integer types other than int are token ids too
+    want = tokens(eng.generate([PROMPTS[1]], GREEDY))
+    assert tokens(eng.generate([np.array(PROMPTS[1])], GREEDY)) == want
+    assert tokens(eng.generate([torch.tensor(PROMPTS[1])], GREEDY)) == want
+
