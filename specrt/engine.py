@@ -25,7 +25,7 @@ import torch
 from specrt.config import SamplingParams, SpecConfig
 from specrt.drafters import Drafter, DraftProposal, DraftSettings, make_drafter, no_drafts
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
-from specrt.loading import ModelLoader, default_loader, resolve_model_path
+from specrt.loading import ModelLoader, default_loader, resolve_engine_dtype, resolve_model_path
 from specrt.metrics import EngineMetrics
 from specrt.intake import RequestIntake
 from specrt.models import load_generation_config, load_tokenizer
@@ -50,10 +50,9 @@ class LLMEngine:
                  agree_ks: Callable[[list[int]], list[int]] | None = None):
         self.spec = spec or SpecConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         load = model_loader or default_loader
         target_path = resolve_model_path(target, "target")
+        dtype = resolve_engine_dtype(dtype, self.device, target_path)
         self.target = load(target_path, "target", dtype, self.device)
         self.tokenizer = load_tokenizer(target_path)
         self.generation_config = load_generation_config(target_path)

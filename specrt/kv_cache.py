@@ -20,18 +20,19 @@ before ``commit`` registers them.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 import os
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import Hashable
 
 import torch
 
 from specrt.attention import AttentionMetadata, copy_blocks
-
-if TYPE_CHECKING:  # for annotations only: the cache needs just a config's shape fields
-    from specrt.models.config import ModelConfig
+from specrt.models.config import ModelConfig
+from specrt.models.loader import resolve_dtype
 
 
 # ----------------------------------------------------------------------------- block manager
@@ -323,16 +324,31 @@ class KVCacheManager:
 
 
 # ----------------------------------------------------------------------------- tensors
-def allocate_kv_cache(config: "ModelConfig", num_blocks: int, block_size: int, dtype, device,
+def as_dtype(dtype) -> torch.dtype:
+    """A torch dtype, or its name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto" or not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a torch dtype or one of float32, bfloat16, float16, got {dtype!r}")
+    return resolve_dtype(dtype, None)
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, device,
                       num_layers: int | None = None) -> torch.Tensor:
-    """Zeroed cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    """Zeroed cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``. On the CPU its
+    pages come zeroed from the OS (an anonymous mapping) and are committed when first written:
+    even a cache sized for the worst case is built at once and costs memory for the blocks in use."""
     layers = config.num_layers if num_layers is None else num_layers
-    return torch.zeros(layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                       dtype=dtype, device=device)
+    dtype = as_dtype(dtype)
+    shape = (layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type == "cpu" and nbytes > 0:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def kv_bytes_per_block(configs: list["ModelConfig"], block_size: int, dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_block(configs: list[ModelConfig], block_size: int, dtype) -> int:
+    elem = torch.empty((), dtype=as_dtype(dtype)).element_size()
     return sum(c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * elem for c in configs)
 
 
@@ -351,7 +367,7 @@ def _available_memory(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for_budget(configs: list["ModelConfig"], block_size: int, dtype, budget: int | float, device) -> int:
+def num_blocks_for_budget(configs: list[ModelConfig], block_size: int, dtype, budget: int | float, device) -> int:
     """How many blocks fit a budget: bytes (int) or a fraction in (0, 1] (float) of the free memory
     of ``device`` (CUDA: ``mem_get_info``; CPU: MemAvailable). Every block holds all ``configs``'
     layers (target + draft share block ids). Raises ValueError if not even one block fits."""
@@ -368,9 +384,10 @@ def num_blocks_for_budget(configs: list["ModelConfig"], block_size: int, dtype, 
     return n
 
 
-def kv_cache_blocks(configs: list["ModelConfig"], spec, dtype, device, max_model_len: int) -> int:
-    """The engine's block count: ``spec.kv_cache_budget`` of the device's free memory (or bytes);
-    a CPU budget fraction of free RAM is far more than small models need, so it is capped there."""
+def kv_cache_blocks(configs: list[ModelConfig], spec, dtype, device, max_model_len: int) -> int:
+    """The engine's block count: ``spec.kv_cache_budget`` of the device's free memory (or bytes).
+    On a CPU a budget fraction is capped at what the workload can use: max_batch_size requests
+    at max_model_len (+2 blocks each for drafts and a partial block) and a margin of 64 blocks."""
     num_blocks = num_blocks_for_budget(configs, spec.block_size, dtype, spec.kv_cache_budget, device)
     if torch.device(device).type == "cpu" and isinstance(spec.kv_cache_budget, float):
         num_blocks = min(num_blocks, 64 + spec.max_batch_size * (max_model_len // spec.block_size + 2))
@@ -384,7 +401,7 @@ class PagedKVCache:
     applied here with one ``copy_blocks`` over all caches, so callers never see the manager.
     """
 
-    def __init__(self, configs: dict[str, "ModelConfig"], num_blocks: int, block_size: int = 16,
+    def __init__(self, configs: dict[str, ModelConfig], num_blocks: int, block_size: int = 16,
                  dtype=torch.float32, device="cpu", enable_prefix_sharing: bool = True,
                  num_layers: dict[str, int] | None = None):
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_sharing)

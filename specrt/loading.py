@@ -12,7 +12,8 @@ from typing import Callable
 
 import torch
 
-from specrt.models import load_model
+from specrt.models import ModelConfig, load_model
+from specrt.models.loader import resolve_dtype
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 
@@ -35,3 +36,10 @@ def resolve_model_path(path: str | Path, role: str) -> Path:
 def default_loader(path: Path, role: str, dtype: torch.dtype, device: torch.device):
     """Load the whole model onto ``device`` (the role makes no difference here)."""
     return load_model(path, dtype=dtype, device=device)
+
+
+def resolve_engine_dtype(dtype, device: torch.device, target_path: Path) -> torch.dtype:
+    """None: bfloat16 on CUDA, float32 elsewhere; "auto": the checkpoint's; a torch dtype or its name."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return resolve_dtype(dtype, ModelConfig.from_json(target_path / "config.json"))

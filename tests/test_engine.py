@@ -600,3 +600,22 @@ def test_python_api_refuses_bad_input_before_queuing_anything(pair):
     assert tokens(eng.generate([np.array(PROMPTS[1])], GREEDY)) == want
     assert tokens(eng.generate([torch.tensor(PROMPTS[1])], GREEDY)) == want
 
+
+def test_dtype_names_and_a_kv_cache_sized_for_the_workload(pair, ar_greedy):
+    """dtype may be given by name ("float32", "fp32", "bfloat16", "bf16", "float16") like a torch
+    dtype; the default CPU cache holds what max_batch_size requests at max_model_len need (plus a
+    margin), not a share of the machine's RAM."""
+    tdir, ddir = pair
+    spec = SpecConfig(max_draft_length=2, max_batch_size=3, max_model_len=128)
+    for name in ("float32", "fp32"):
+        eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, dtype=name, seed=0)
+        assert eng.engine.kv["target"].dtype == torch.float32
+        assert tokens(eng.generate(PROMPTS[:2], GREEDY)) == ar_greedy[:2]
+    for name, want in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float16", torch.float16)):
+        eng = specrt.LLM(target=str(tdir), draft="ngram", spec=spec, dtype=name, seed=0)
+        assert eng.engine.target.dtype == want and eng.engine.kv["target"].dtype == want
+        assert len(eng.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="dtype"):
+        specrt.LLM(target=str(tdir), dtype="int8")
+    assert eng.engine.kv.num_blocks == 64 + 3 * (128 // 16 + 2)
+

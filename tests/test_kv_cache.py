@@ -1,6 +1,7 @@
 """Paged KV cache bookkeeping: allocation, out-of-blocks, free, prefix sharing, rollback, fork/CoW."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from specrt.kv_cache import (
     OutOfBlocksError,
     PagedKVCache,
     allocate_kv_cache,
+    kv_bytes_per_block,
     num_blocks_for_budget,
 )
 from specrt.models.config import ModelConfig
@@ -326,3 +328,27 @@ def test_budget_and_allocation():
         num_blocks_for_budget([cfg], 16, torch.float32, 100, "cpu")
     t = allocate_kv_cache(cfg, 3, 16, torch.bfloat16, "cpu", num_layers=1)
     assert t.shape == (1, 2, 3, 16, 2, 4) and t.dtype == torch.bfloat16
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_a_cpu_cache_costs_only_the_blocks_in_use():
+    """A CPU KV cache sized for the worst case (every request at its full context) must be cheap
+    to build and cost memory for the blocks written only: 1 GiB of blocks, a few written, reads
+    zero everywhere else; dtype names are accepted like torch dtypes."""
+    cfg = tiny_config(layers=4, kv_heads=4, head_dim=64)
+    per_block = kv_bytes_per_block([cfg], 16, "float32")
+    assert per_block == kv_bytes_per_block([cfg], 16, torch.float32) == 2 * kv_bytes_per_block([cfg], 16, "bf16")
+    num_blocks = 2 ** 30 // per_block
+    before = _rss_mib()
+    pc = PagedKVCache({"target": cfg}, num_blocks, 16, "fp32", "cpu")
+    cache = pc["target"]
+    assert cache.dtype == torch.float32 and cache.shape[2] == num_blocks
+    pc.allocate("a", list(range(40)))
+    cache[:, :, pc.block_table("a")] = 1.0
+    assert _rss_mib() - before < 64, "the cache's untouched blocks must not be resident"
+    assert float(cache[:, :, -1].abs().sum()) == 0.0 and float(cache[:, :, pc.block_table("a")].mean()) == 1.0
