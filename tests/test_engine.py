@@ -619,3 +619,20 @@ def test_dtype_names_and_a_kv_cache_sized_for_the_workload(pair, ar_greedy):
         specrt.LLM(target=str(tdir), dtype="int8")
     assert eng.engine.kv.num_blocks == 64 + 3 * (128 // 16 + 2)
 
+
+def test_head_policy_without_a_head_names_the_command_that_trains_one(pair, tmp_path):
+    """policy="head" needs accept_head/ beside the draft; the error says how to train one with a
+    command that exists (python -m specrt.training.accept_head), and other drafters are refused."""
+    import shutil
+
+    tdir, ddir = pair
+    bare = tmp_path / "draft"
+    shutil.copytree(ddir, bare, ignore=shutil.ignore_patterns("accept_head"))
+    with pytest.raises(ValueError, match="no acceptance head") as info:
+        specrt.LLM(target=str(tdir), draft=str(bare), spec=SpecConfig(policy="head"))
+    assert "python -m specrt.training.accept_head" in str(info.value) and "distill head" not in str(info.value)
+    assert f"--draft {bare}" in str(info.value)
+    for draft in ("ngram", "self:1", None):
+        with pytest.raises(ValueError, match="needs a draft model"):
+            specrt.LLM(target=str(tdir), draft=draft, spec=SpecConfig(policy="head"))
+

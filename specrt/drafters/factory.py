@@ -47,6 +47,6 @@ def load_accept_head(draft_path: Path, device):
 
     head_dir = draft_path / "accept_head"
     if not head_dir.is_dir():
-        raise ValueError(f"policy='head': no acceptance head at {head_dir} "
-                         f"(train one with `specrt distill head`)")
+        raise ValueError(f"policy='head': no acceptance head at {head_dir} (train one with "
+                         f"`python -m specrt.training.accept_head --target TARGET --draft {draft_path}`)")
     return AcceptanceHead.load(head_dir).to(device).eval()
