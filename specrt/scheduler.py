@@ -4,10 +4,18 @@ Holds no tensors: it books KV blocks through the engine's PagedKVCache.
 
 Each step the engine asks for a batch: running requests first (oldest first),
 then waiting requests admitted while there is room in the batch and the KV
-cache can hold their prompt. When the cache runs out mid-run the newest
-running request is preempted (its blocks freed, its state reset to "nothing
-cached") and requeued at the front; it later recomputes its context and, by
-the randomness rule, continues with exactly the tokens it would have produced.
+cache can hold their prompt. When the cache runs short mid-run a request first
+drafts nothing that step; if that is not enough the newest running request is
+preempted (its blocks freed, its state reset to "nothing cached") and requeued
+at the front; it later recomputes its context.
+
+What that reproduces (tests/test_engine.py::test_what_preemption_reproduces):
+the output distribution never changes. Greedy requests and acceptance="coupled"
+emit exactly the tokens they would have emitted alone (both equal autoregressive
+decoding with the same seed, whatever was drafted). Under acceptance="rejection"
+a seeded request's tokens depend on how many tokens were drafted at each step, so
+a request squeezed by the cache (drafts dropped, or preempted and recomputed) may
+emit different tokens than alone: another sample from the same distribution.
 """
 from __future__ import annotations
 
