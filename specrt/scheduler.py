@@ -158,12 +158,17 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """Move waiting requests to running while the batch has room and ``try_allocate`` reserves
-        their prompt. Returns the requests refused for good (finished with an error here; the
-        engine reports them)."""
+        their prompt. Returns the requests refused for good (finished with an error here: too big
+        for the cache, or their admission raised; the engine reports them)."""
         refused = []
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
-            ok = self.try_allocate(req)
+            try:
+                ok = self.try_allocate(req)
+            except Exception as e:   # noqa: BLE001 - this request's fault alone: the queue goes on
+                self.finish(req, "error", f"{type(e).__name__}: {e}")
+                if self.kv.has_request(req.request_id):
+                    self.kv.free(req.request_id)
             if req.status == RequestStatus.FINISHED:   # refused for good
                 refused.append(req)
                 continue

@@ -665,3 +665,22 @@ def test_what_preemption_reproduces(pair, ar_greedy):
         b = torch.bincount(torch.tensor([t[p] for t in squeezed]), minlength=VOCAB)
         keep = (a + b) > 0
         assert chi2_contingency(torch.stack([a[keep], b[keep]]).numpy())[1] > 1e-4, p
+
+
+def test_an_admission_fault_fails_that_request_alone(pair, ar_greedy):
+    """An exception while admitting one request (reserving its prompt's blocks) fails that
+    request; the queue behind it is admitted and served as usual."""
+    tdir, ddir = pair
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3), seed=0)
+    e = llm_.engine
+    allocate = e.scheduler.try_allocate
+
+    def faulty(req):
+        if req.prompt_token_ids == [9, 9, 9]:
+            raise RuntimeError("injected admission fault")
+        return allocate(req)
+    e.scheduler.try_allocate = faulty
+    outs = llm_.generate(PROMPTS[:2] + [[9, 9, 9]] + PROMPTS[2:], GREEDY)
+    bad = outs.pop(2)
+    assert bad.finish_reason == "error" and "injected admission fault" in bad.error
+    assert tokens(outs) == ar_greedy and not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks
