@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specrt import ops  # noqa: E402
-from specrt.kv_cache import AttentionMetadata  # noqa: E402
+from specrt.attention import AttentionMetadata  # noqa: E402
 from specrt.models.config import ModelConfig  # noqa: E402
 from specrt.models.llama import LlamaForCausalLM, paged_attention_sdpa  # noqa: E402
 

@@ -27,7 +27,7 @@ never trained on) plus a few fixed free-text snippets below.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -216,7 +216,7 @@ def random_pair(root: Path) -> tuple[Path, Path]:
 
 def resolve_pair(target: str, draft: str, log=print) -> tuple[str, str, str]:
     """(target, draft, note). 'builtin' falls back, with a clear message, to a random pair."""
-    from specrt.engine import BUILTIN_DIR
+    from specrt.loading import BUILTIN_DIR
 
     if target == "builtin" and not (BUILTIN_DIR / "target" / "config.json").is_file():
         root = Path(tempfile.mkdtemp(prefix="specrt-bench-"))
@@ -233,89 +233,47 @@ def resolve_pair(target: str, draft: str, log=print) -> tuple[str, str, str]:
 
 
 def _model_dir(path: str, role: str) -> Path:
-    from specrt.engine import resolve_model_path
+    from specrt.loading import resolve_model_path
 
     return resolve_model_path(path, role)
 
 
 # ------------------------------------------------------------------------------- engine helpers
 
-class _MisalignedEngine:
-    """Mixin applied to a benchmark-only LLMEngine subclass: the draft's rows get different
-    sampling parameters (temperature / top-p) than the target's. The engine itself never does
-    this; the output stays exact (rejection sampling uses the q actually sampled from), only
-    the acceptance rate suffers -- which is what the aligned transform protects."""
+def _misaligned(misalign: dict):
+    """A drafter hook for the misaligned-sampling study: the draft's rows get other sampling
+    parameters (temperature / top-p) than the target's. The engine itself never does this; the
+    output stays exact (rejection sampling uses the q actually sampled from), only the
+    acceptance rate suffers -- which is what the aligned transform protects."""
+    change = {k: misalign[k] for k in ("temperature", "top_p") if misalign.get(k) is not None}
 
-    draft_temperature: float | None = None
-    draft_top_p: float | None = None
-    _in_draft = False
-
-    def _draft_forward(self, *a, **kw):
-        self._in_draft = True
-        try:
-            return super()._draft_forward(*a, **kw)
-        finally:
-            self._in_draft = False
-
-    def _param_rows(self, reqs, counts):
-        temps, topk, topp = super()._param_rows(reqs, counts)
-        if self._in_draft:
-            if self.draft_temperature is not None:
-                temps = torch.full_like(temps, self.draft_temperature)
-            if self.draft_top_p is not None:
-                topp = torch.full_like(topp, self.draft_top_p)
-        return temps, topk, topp
+    def wrap(drafter):
+        drafter.draft_params = lambda p: dataclasses.replace(p, **change)
+        return drafter
+    return wrap
 
 
-def make_llm(target, draft, spec, device, dtype=None, misalign: dict | None = None):
+def make_llm(target, draft, spec, device, dtype=None, misalign: dict | None = None, model_loader=None):
     import specrt
-    from specrt.engine import LLMEngine
 
-    if misalign is None:
-        return specrt.LLM(target=target, draft=draft, spec=spec, device=device, dtype=dtype)
-    cls = type("MisalignedLLMEngine", (_MisalignedEngine, LLMEngine), {})
-    llm = specrt.LLM.__new__(specrt.LLM)
-    llm.engine = cls(target, draft, spec, device, dtype)
-    llm.engine.draft_temperature = misalign.get("temperature")
-    llm.engine.draft_top_p = misalign.get("top_p")
-    llm.tokenizer = llm.engine.tokenizer
-    return llm
+    hooks = {} if model_loader is None else {"model_loader": model_loader}
+    if misalign is not None:
+        hooks["wrap_drafter"] = _misaligned(misalign)
+    return specrt.LLM(target=target, draft=draft, spec=spec, device=device, dtype=dtype, **hooks)
 
 
-@contextlib.contextmanager
-def _shared_weights(store: dict):
-    """Engines built inside share loaded models (read-only weights) by (path, dtype, device):
-    every mode of a comparison then runs literally the same target, and on a CPU no mode's
-    weights are colder in the caches than another's because they are a different copy."""
-    from specrt.engine import LLMEngine
+def _shared_loader(store: dict):
+    """A model loader sharing loaded models (read-only weights) by (path, dtype, device): every
+    mode of a comparison then runs literally the same target, and on a CPU no mode's weights
+    are colder in the caches than another's because they are a different copy."""
+    from specrt.loading import default_loader
 
-    original = LLMEngine._load_model
-
-    def load(self, path, dtype):
-        key = (str(Path(path).resolve()), str(dtype), str(self.device))
+    def load(path, role, dtype, device):
+        key = (str(Path(path).resolve()), str(dtype), str(device))
         if key not in store:
-            store[key] = original(self, path, dtype)
+            store[key] = default_loader(path, role, dtype, device)
         return store[key]
-    LLMEngine._load_model = load
-    try:
-        yield
-    finally:
-        LLMEngine._load_model = original
-
-
-def _time_policy(llm) -> None:
-    """Accumulate the host time the draft-length policy spends planning (engine.policy.plan)."""
-    eng = llm.engine
-    plan = eng.policy.plan
-    eng._bench_plan_s = 0.0
-
-    def timed_plan(*a, **kw):
-        t0 = _now()
-        try:
-            return plan(*a, **kw)
-        finally:
-            eng._bench_plan_s += _now() - t0
-    eng.policy.plan = timed_plan
+    return load
 
 
 def _sync(device) -> None:
@@ -369,8 +327,6 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
     tau, ...) are one repeat's, over all prompts (seeded: every repeat decodes the same tokens).
     concurrency: all prompts are one unit served with at most that many in flight
     (``generate_concurrent``)."""
-    from specrt.metrics import EngineMetrics
-
     names = list(modes)
     batched = batched or bool(concurrency)
     units = [prompts] if batched else [[p] for p in prompts]
@@ -378,11 +334,8 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
     ids = {m: [None] * len(units) for m in names}
     stats, plan_s = {}, {m: 0.0 for m in names}
     for rep in range(repeats):
-        plan0 = {}
         for m in names:
-            eng = modes[m][0].engine
-            eng.metrics = EngineMetrics()
-            plan0[m] = getattr(eng, "_bench_plan_s", 0.0)
+            modes[m][0].engine.reset_metrics()
         for u, unit in enumerate(units):
             order = list(names)
             random.Random(1000 * rep + u).shuffle(order)
@@ -392,8 +345,9 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
                 ids[m][u] = out
         for m in names:
             llm = modes[m][0]
-            stats[m] = llm.stats()["total"]
-            plan_s[m] = getattr(llm.engine, "_bench_plan_s", 0.0) - plan0[m]
+            snap = llm.stats()
+            stats[m] = snap["total"]
+            plan_s[m] = snap.get("plan_time_s", 0.0)
     res = {}
     for m in names:
         sec = sum(_median(per_unit) for per_unit in secs[m])
@@ -475,7 +429,7 @@ def forward_timer(model, ctx: int, tokens: int, batch: int = 1, num_layers: int 
     """A closure running one forward of `tokens` new tokens per request after `ctx` cached
     positions, for `batch` requests, over a private scratch KV cache (values do not matter)."""
     from specrt import ops
-    from specrt.kv_cache import AttentionMetadata
+    from specrt.attention import AttentionMetadata
 
     cfg = model.config
     dev = model.device
@@ -518,9 +472,9 @@ def measure_costs(llm_by_drafter: dict, kmax: int, ctx: int, reps: int) -> dict:
     for name, llm in llm_by_drafter.items():
         e = llm.engine
         if e.draft_kind == "model":
-            fns[("draft", name)] = forward_timer(e.draft_model, ctx, 1)
+            fns[("draft", name)] = forward_timer(e.drafter.model, ctx, 1)
         elif e.draft_kind == "self":
-            fns[("draft", name)] = forward_timer(e.target, ctx, 1, num_layers=e.self_layers, cache=t_cache)
+            fns[("draft", name)] = forward_timer(e.target, ctx, 1, num_layers=e.drafter.num_layers, cache=t_cache)
         elif e.draft_kind == "ngram":
             ctx_ids = [int(x) for x in torch.randint(3, 50, (ctx,))]
             prop = NgramProposer()
@@ -616,9 +570,8 @@ class Bench:
         key = (draft, json.dumps(misalign, sort_keys=True), json.dumps(spec_kw, sort_keys=True))
         if key not in self._llms:
             spec = specrt.SpecConfig(**spec_kw)
-            with _shared_weights(self._weights):
-                llm = make_llm(self.target, draft, spec, self.device, misalign=misalign)
-            _time_policy(llm)
+            llm = make_llm(self.target, draft, spec, self.device, misalign=misalign,
+                           model_loader=_shared_loader(self._weights))
             llm.warmup(2, 8)
             self._llms[key] = llm
         return self._llms[key]
@@ -818,7 +771,7 @@ class Bench:
         class _HF:
             def __init__(self, assistant):
                 self.assistant = assistant
-                self.engine = type("E", (), {"device": dev, "metrics": None})()
+                self.engine = type("E", (), {"device": dev, "metrics": None, "reset_metrics": lambda self: None})()
 
             def generate(self, ps, params):
                 outs = []
@@ -1223,7 +1176,7 @@ def write_report(res: dict, out: Path, plots: list[str]) -> str:
     mis = res.get("misaligned")
     if mis:
         L += [f"## Misaligned draft sampling ({mis['drafter']} drafter, K={mis['draft_length']})", "",
-              "A benchmark-only engine subclass samples the DRAFT with other parameters than the target. The "
+              "A benchmark-only drafter hook samples the DRAFT with other parameters than the target. The "
               "output stays exact (verification uses the q the draft really sampled from); what is lost is "
               "acceptance, which the engine's single shared transform protects.", "",
               "| case | mode | speedup | tau | acc. per position |", "|---|---|---|---|---|"]

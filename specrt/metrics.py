@@ -121,6 +121,7 @@ class EngineMetrics:
         self.prompt_tokens = 0
         self.pre_drafts_made = 0
         self.pre_drafts_used = 0
+        self.plan_time_s = 0.0        # host time the draft-length policy spent planning
 
     def record_step(self, tag: str, context_len: int, drafted: int, accepted: int, emitted: int,
                     draft_s: float, verify_s: float, hidden_s: float) -> None:
@@ -149,6 +150,10 @@ class EngineMetrics:
             else:
                 self.pre_drafts_made += 1
 
+    def record_plan(self, seconds: float) -> None:
+        with self._lock:
+            self.plan_time_s += seconds
+
     def record_preemption(self) -> None:
         with self._lock:
             self.preemptions += 1
@@ -173,6 +178,7 @@ class EngineMetrics:
                 "prompt_tokens": self.prompt_tokens,
                 "overlap_pre_drafts": self.pre_drafts_made,
                 "overlap_pre_drafts_used": self.pre_drafts_used,
+                "plan_time_s": self.plan_time_s,
             }
         snap["window"] = {"seconds": self.window_s, **self.window().summary()}
         return snap

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specrt import ops, reference
-from specrt.kv_cache import AttentionMetadata
+from specrt.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
 from specrt.models.llama import LlamaForCausalLM, paged_attention_sdpa
 

@@ -83,7 +83,7 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
 
 
 def test_misaligned_engine_changes_only_the_draft_params(pair):
-    """The benchmark-only subclass perturbs draft rows; target rows and greedy output are untouched."""
+    """The benchmark-only drafter hook perturbs draft rows; target rows and greedy output are untouched."""
     import specrt
 
     tdir, ddir = pair

@@ -9,7 +9,8 @@ import torch
 
 from _model_utils import VOCAB, Runner, hf_logits, make_checkpoint  # transformers-based tests skip without it
 
-from specrt.kv_cache import AttentionMetadata, PagedKVCache
+from specrt.attention import AttentionMetadata
+from specrt.kv_cache import PagedKVCache
 from specrt.models import (
     ModelConfig,
     check_draft_compatible,
@@ -160,14 +161,17 @@ def test_decode_batch_of_many_requests(ckpt):
 
 
 def test_torch_fallback_kv_ops_match(ckpt, monkeypatch):
-    """The pure-torch write_kv/copy_blocks fallback (used until specrt.ops is built) gives the same logits."""
+    """The pure-torch reference write_kv/copy_blocks (specrt.reference) give the same logits as the kernels."""
     import specrt.kv_cache as kvc
+    import specrt.models.llama as llama
+    from specrt import reference
 
     _, hf, model = ckpt("qwen2")
     prompt = prompt_of(9, 90)
     runs = []
-    for ops in (kvc._ops, None):
-        monkeypatch.setattr(kvc, "_ops", ops)
+    for write, copy in ((llama.write_kv, kvc.copy_blocks), (reference.write_kv, reference.copy_blocks)):
+        monkeypatch.setattr(llama, "write_kv", write)
+        monkeypatch.setattr(kvc, "copy_blocks", copy)
         r = Runner(model)
         r.prefill("p", prompt[:6])
         r.cache.fork("p", "c")

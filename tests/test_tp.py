@@ -155,9 +155,9 @@ def test_tp_dead_worker_raises_not_hangs(pair):
     assert not any(p.is_alive() for p in engine._workers)
 
 
-def _reseed_on_rank1(engine, request_id):
-    if engine.tp_rank == 1:   # make rank 1 sample differently: its outputs no longer match rank 0's
-        engine.scheduler.requests[request_id].seed += 1
+def _reseed_on_rank1(rank, request_id):
+    if rank.tp_rank == 1:   # make rank 1 sample differently: its outputs no longer match rank 0's
+        rank.engine.scheduler.requests[request_id].seed += 1
 
 
 def test_tp_divergence_is_detected(pair, capfd):

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrt.kv_cache import AttentionMetadata, write_kv
+from specrt.attention import AttentionMetadata, write_kv
 from specrt.models.config import ModelConfig
 
 _LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan.sdpa)
@@ -144,11 +144,6 @@ class RotaryEmbedding:
         freqs = positions[:, None].float() * inv  # [T, D/2] (exact: same numbers as the table rows)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def rope_operands(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ def warm_up(engine, num_requests: int = 4, max_tokens: int = 8) -> None:
     engine.step()                     # releases the finished requests
     if engine.spec.policy == "budget":
         engine.calibrate()
-    engine.metrics = type(engine.metrics)(engine.metrics.window_s)
+    engine.reset_metrics()
 
 
 def drain_on_exit_signals(state: ServerState):

@@ -1,0 +1,141 @@
+"""Attention metadata and the KV-cache writes the model's attention layers issue.
+
+Below both ``specrt.models`` (which reads the metadata and writes K/V) and ``specrt.kv_cache``
+(which builds the metadata from its block tables). ``write_kv`` / ``copy_blocks`` are thin
+wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.reference``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specrt import ops
+
+
+def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, kv_heads, D] into ``cache[layer]`` at ``slot_mapping`` [T] (-1 = skip)."""
+    ops.write_kv(cache, layer, k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), slot_mapping)
+
+
+def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer of every cache."""
+    if block_mapping.numel():
+        ops.copy_blocks(caches, block_mapping)
+
+
+def _dedupe_shared_slots(slots: list[int], token_ids: list[int]) -> None:
+    """In place: later rows that write an already-written slot with the same token get -1."""
+    if len(token_ids) != len(slots):
+        raise ValueError(f"token_ids has {len(token_ids)} entries, the batch has {len(slots)} new tokens")
+    if len(set(slots)) == len(slots):
+        return
+    first: dict[int, int] = {}
+    for i, s in enumerate(slots):
+        j = first.setdefault(s, i)
+        if j != i:
+            if int(token_ids[j]) != int(token_ids[i]):
+                raise ValueError(f"slot {s} is shared by rows {j} and {i} with different tokens "
+                                 f"({token_ids[j]} != {token_ids[i]}): a shared block must not be rewritten")
+            slots[i] = -1
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward call over a mixed batch of B requests, T new tokens in all.
+
+    Request b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of the
+    flattened batch; they sit at positions ``seq_lens[b] - query_lens[b] .. seq_lens[b] - 1``.
+    """
+    query_start_loc: torch.Tensor  # [B+1] int64 cumulative query lengths
+    seq_lens: torch.Tensor         # [B] int64 context length INCLUDING this call's new tokens
+    block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor     # [T] int64 slot of each new token (-1 = padding, not written)
+    query_lens_host: list[int]     # [B] host copy: the torch attention path never syncs
+    seq_lens_host: list[int]       # [B] host copy
+    block_size: int
+    query_lens: torch.Tensor | None = None         # [B] int64
+    token_request_ids: torch.Tensor | None = None  # [T] int64 request index of each row
+    token_query_idx: torch.Tensor | None = None    # [T] int64 index of each row within its request
+    scratch: dict = field(default_factory=dict, repr=False)  # per-call cache (attention masks), reused across layers
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @staticmethod
+    def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device=None, max_model_len: int | None = None,
+              token_ids: list[int] | None = None) -> "AttentionMetadata":
+        """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
+
+        ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
+        Raises ValueError on inconsistent lengths, too-short block tables, or a request longer
+        than ``max_model_len`` (when given).
+
+        ``token_ids`` (the host token of every row; pass it when rows may recompute a shared
+        block, e.g. several requests catching up a lagging cache over the same target-only
+        prefix): a slot that several rows map to is written by the first only (-1 for the
+        others: the same token at the same position of the same prefix has the same KV); rows
+        that share a slot with different tokens raise ValueError. Without it every slot must
+        be distinct (write_kv refuses duplicates).
+        """
+        B = len(seq_lens)
+        if len(query_lens) != B or len(block_tables) != B:
+            raise ValueError(f"seq_lens ({B}), query_lens ({len(query_lens)}) and block_tables "
+                             f"({len(block_tables)}) must have one entry per request")
+        if B == 0:
+            raise ValueError("AttentionMetadata.build: empty batch")
+        slots: list[int] = []
+        req_ids: list[int] = []
+        q_idx: list[int] = []
+        for b, (s, q, bt) in enumerate(zip(seq_lens, query_lens, block_tables)):
+            if q < 1 or q > s:
+                raise ValueError(f"request {b}: query_len={q} must be in [1, seq_len={s}]")
+            if max_model_len is not None and s > max_model_len:
+                raise ValueError(f"request {b}: {s} tokens exceed the model's context of {max_model_len} tokens")
+            need = -(-s // block_size)
+            if len(bt) < need or any(x < 0 for x in bt[:need]):
+                raise ValueError(f"request {b}: block table has {len(bt)} blocks ({bt[:need]}), "
+                                 f"{need} needed for {s} tokens with block_size={block_size}")
+            for p in range(s - q, s):
+                slots.append(bt[p // block_size] * block_size + p % block_size)
+            req_ids.extend([b] * q)
+            q_idx.extend(range(q))
+        if token_ids is not None:
+            _dedupe_shared_slots(slots, token_ids)
+        max_blocks = max(len(bt) for bt in block_tables)
+        bt_pad = [list(bt) + [-1] * (max_blocks - len(bt)) for bt in block_tables]
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+
+        def t(x, dtype):  # host -> device copies only, never device -> host
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            query_start_loc=t(qsl, torch.int64),
+            seq_lens=t(list(seq_lens), torch.int64),
+            block_tables=t(bt_pad, torch.int32).view(B, max_blocks),
+            slot_mapping=t(slots, torch.int64),
+            query_lens_host=[int(q) for q in query_lens],
+            seq_lens_host=[int(s) for s in seq_lens],
+            block_size=block_size,
+            query_lens=t(list(query_lens), torch.int64),
+            token_request_ids=t(req_ids, torch.int64),
+            token_query_idx=t(q_idx, torch.int64),
+        )
+
+    def ensure_derived(self) -> None:
+        """Fill the derived per-token index tensors if the metadata was constructed by hand."""
+        if self.token_request_ids is None:
+            dev = self.seq_lens.device
+            self.query_lens = torch.tensor(self.query_lens_host, dtype=torch.int64).to(dev)
+            self.token_request_ids = torch.tensor(
+                [b for b, q in enumerate(self.query_lens_host) for _ in range(q)], dtype=torch.int64).to(dev)
+            self.token_query_idx = torch.tensor(
+                [i for q in self.query_lens_host for i in range(q)], dtype=torch.int64).to(dev)

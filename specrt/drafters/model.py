@@ -1,0 +1,253 @@
+"""A separate small draft model sharing the target's vocabulary (or a prefix of it).
+
+Its KV cache shares the target's block tables (same token positions). The draft's KV may lag
+behind the target's (it did not draft for a while, or reused a target-only prefix block): the
+first draft forward of a step then feeds the whole uncached tail (its catch-up) together with
+the pending token. Drafting runs on its own CUDA stream so it overlaps other work; the
+verification waits for it with an event, not a host sync.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+
+from specrt import ops
+from specrt.attention import AttentionMetadata
+from specrt.config import SamplingParams
+from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, StopRule
+from specrt.sampling import mask_eos, param_rows
+
+
+class ModelDrafter(Drafter):
+    name = "model"
+    cache_name = "draft"      # which cache of the PagedKVCache it reads and writes
+
+    def __init__(self, model, settings: DraftSettings, accept_head=None, num_layers: int | None = None):
+        self.model = model
+        self.settings = settings
+        self.accept_head = accept_head        # policy="head": P(accept) from the draft's hidden state
+        self.num_layers = num_layers          # run only the first N layers (None: all)
+        # research hook (the misaligned-sampling study): the sampling parameters of a request's DRAFT
+        # rows; None = the request's own (anything else lowers acceptance; the output stays exact)
+        self.draft_params: Callable[[SamplingParams], SamplingParams] | None = None
+        self.kv = None
+        dev = settings.device
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        # one pair of timing events around each step's drafting, made once (read after the step's sync)
+        self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        if self._stream is not None else None)
+
+    # -- what the engine asks
+    def cache_configs(self) -> dict:
+        return {"draft": self.model.config}
+
+    def bind(self, kv) -> None:
+        self.kv = kv
+
+    def cached(self, r) -> int:
+        """Positions whose KV this drafter can read for request r."""
+        return r.draft_cached
+
+    def catchup(self, batch) -> list[int]:
+        # the draft KV lags by what it has not consumed yet (its prompt, the first time)
+        return [max(r.context_len - 1 - r.draft_cached, 0) for r in batch]
+
+    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None) -> DraftProposal:
+        B, dev = len(batch), self.settings.device
+        kmax = max(ks) if ks else 0
+        if kmax == 0:
+            return DraftProposal(torch.full((B, 0), -1, dtype=torch.int32, device=dev), [0] * B, None,
+                                 [r.draft_cached for r in batch])
+        t0 = time.perf_counter()
+        with self._on_stream():
+            if self._events is not None:
+                self._events[0].record()
+            proposal = self._draft(batch, ks, kmax, stop_rule)
+            if self._events is not None:
+                self._events[1].record()
+        if self._stream is not None:   # verification waits for the drafts (an event, no host sync)
+            torch.cuda.current_stream(dev).wait_stream(self._stream)
+        proposal.cost.seconds = time.perf_counter() - t0   # host time; on CUDA the events give the device's
+        proposal.cost.events = self._events
+        return proposal
+
+    def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
+        fed = proposal.draft_cached[row]
+        if pre is not None:
+            fed = pre.draft_cached
+            if kept:                   # the assumption held: the next step drafts from the pre-draft
+                request.drafter_state = pre
+        # a pending pre-draft's positions stay valid; otherwise only what the target accepted
+        return fed if request.drafter_state is not None else min(fed, request.target_cached)
+
+    # -- vocabulary (a draft whose vocabulary differs maps here)
+    def draft_input_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids [T] -> the draft model's input ids."""
+        return token_ids
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [rows, V_draft] over the target's vocabulary [rows, V]: a draft
+        vocabulary padded to the target's gives the extra ids -inf."""
+        V = self.settings.vocab_size
+        if logits.shape[1] < V:
+            pad = logits.new_full((logits.shape[0], V - logits.shape[1]), float("-inf"))
+            logits = torch.cat([logits, pad], 1)
+        return logits
+
+    # -- the drafting loop
+    def _on_stream(self):
+        if self._stream is None:
+            return nullcontext()
+        self._stream.wait_stream(torch.cuda.current_stream(self.settings.device))
+        return torch.cuda.stream(self._stream)
+
+    def _forward(self, reqs, input_ids: torch.Tensor, seq_lens: list[int], query_lens: list[int],
+                 out_index: list[int], host_ids: list[int] | None = None):
+        """One batched draft forward; returns (q [rows, V] f32, logits [rows, V], hidden or None) at each
+        row's last position. ``host_ids``: the rows' tokens when they may recompute blocks shared
+        between requests (catch-up over a target-only prefix): each shared slot is then written once."""
+        dev, kv = self.settings.device, self.kv
+        positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
+                                 dtype=torch.int64).to(dev, non_blocking=True)
+        meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in reqs],
+                                       kv.block_size, dev, token_ids=host_ids)
+        last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
+        logits, hidden = self.model(self.draft_input_ids(input_ids), positions, meta, kv[self.cache_name],
+                                    num_layers=self.num_layers, logits_indices=last,
+                                    return_hidden=self.accept_head is not None)
+        logits = self.target_logits(logits)
+        params = [r.params for r in reqs]
+        mask_eos(logits, params, out_index, self.settings.eos_token_ids)
+        if self.draft_params is not None:
+            params = [self.draft_params(p) for p in params]
+        temps, topk, topp = param_rows(params, [1] * len(reqs), dev)
+        return ops.probs_from_logits(logits, temps, topk, topp, check_values=False), logits, hidden
+
+    def _sample(self, q: torch.Tensor, reqs, positions: list[int]) -> torch.Tensor:
+        """Draft tokens [rows] int32: DRAFT noise (rejection) or the target's own TARGET noise (coupled)."""
+        dev = self.settings.device
+        seeds = torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
+        return ops.sample_tokens(q, seeds, pos, purpose="target" if self.settings.coupled else "draft",
+                                 check_values=False)
+
+    def _draft(self, batch, ks: list[int], kmax: int, stop_rule: StopRule | None) -> DraftProposal:
+        B, dev, V = len(batch), self.settings.device, self.settings.vocab_size
+        need_probs = not self.settings.coupled and any(not r.params.greedy for r in batch)
+        draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)          # [B, K]
+        draft_probs = torch.zeros(B, kmax, V, device=dev) if need_probs else None      # [B, K, V]
+        n_draft = [0] * B
+        # at least the pending last token is fed (positions past the context may hold an unused pre-draft)
+        cached = [min(self.cached(r), r.context_len - 1) for r in batch]
+        fed_until = list(cached)
+        stopped = [False] * B
+        used = 0
+        for b, r in enumerate(batch):      # requests whose overlap pre-draft is still valid
+            pre, r.drafter_state = r.drafter_state, None
+            if pre is not None and pre.num_tokens == ks[b]:
+                used += 1
+                draft_ids[b, :ks[b]] = pre.draft_token_ids
+                if draft_probs is not None and pre.draft_probs is not None:
+                    draft_probs[b, :ks[b]] = pre.draft_probs
+                n_draft[b], fed_until[b], stopped[b] = ks[b], r.draft_cached, True
+        cost = DraftCost()
+        prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
+        for j in range(kmax):
+            rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
+            if not rows:
+                break
+            reqs = [batch[b] for b in rows]
+            host_ids = None
+            if j == 0:
+                chunks = [batch[b].token_ids[cached[b]:] for b in rows]
+                host_ids = [t for c in chunks for t in c]
+                input_ids = torch.tensor(host_ids, dtype=torch.int64).to(dev, non_blocking=True)
+                seq_lens, query_lens = [r.context_len for r in reqs], [len(c) for c in chunks]
+            else:
+                sel = torch.tensor([prev_rows.index(b) for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+                input_ids = prev.index_select(0, sel).long()
+                seq_lens, query_lens = [r.context_len + j for r in reqs], [1] * len(rows)
+            q, logits, hidden = self._forward(reqs, input_ids, seq_lens, query_lens,
+                                              [r.num_generated + j for r in reqs], host_ids)     # [rows, V]
+            cost.forwards += 1
+            cost.tokens_fed += sum(query_lens)
+            cost.attended += sum(seq_lens)
+            x = self._sample(q, reqs, [r.context_len + j for r in reqs])                       # [rows]
+            row_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+            draft_ids[row_idx, j] = x
+            if draft_probs is not None:
+                draft_probs[row_idx, j] = q
+            for b, s in zip(rows, seq_lens):
+                n_draft[b], fed_until[b] = j + 1, s
+            if stop_rule is not None:
+                for i in self._stopping(stop_rule, reqs, j, logits, hidden, x):
+                    stopped[rows[i]] = True
+                    n_draft[rows[i]] = j          # the unconfident token is not proposed
+            prev, prev_rows = x, rows
+        return DraftProposal(draft_ids, n_draft, draft_probs, fed_until, cost, used)
+
+    def _stopping(self, stop_rule: StopRule, reqs, depth: int, logits, hidden, x) -> list[int]:
+        """Rows whose drafting stops before token ``depth`` (one intentional sync per draft step:
+        the confidence / head policies decide on the host). Confidence is the draft model's own
+        softmax probability of its token (at T=1): the sampling transform makes greedy rows
+        one-hot, which would say "certain" every time."""
+        qx = torch.softmax(logits, -1).gather(1, x.long()[:, None])[:, 0]
+        p_acc = None
+        if self.accept_head is not None:
+            p_acc = self.accept_head(hidden.float(), qx).float().cpu().tolist()
+        qx = qx.cpu().tolist()
+        return [i for i, r in enumerate(reqs) if stop_rule(r, depth, qx[i], None if p_acc is None else p_acc[i])]
+
+    def pre_draft(self, batch, ks: list[int], proposal: DraftProposal, next_ks: list[int]) -> dict[int, PreDraft]:
+        """Overlap: while the target verifies this round, draft the next one assuming every draft
+        is accepted and the bonus token equals the draft's own guess. Enqueued on the draft stream
+        (no dependency on the verification), so on CUDA it runs concurrently."""
+        dev, kv, n_of = self.settings.device, self.kv, proposal.num_draft_tokens
+        rows, k_next = [], []
+        for b, r in enumerate(batch):
+            k = next_ks[b]
+            if k and kv.append_slots(r.request_id, r.context_len + n_of[b] + k - kv.num_tokens(r.request_id)):
+                rows.append(b)
+                k_next.append(k)
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        reqs = [batch[b] for b in rows]
+        need_probs = not self.settings.coupled and any(not r.params.greedy for r in reqs)
+        out_ids = torch.full((len(rows), max(k_next)), -1, dtype=torch.int32, device=dev)
+        out_probs = torch.zeros(len(rows), max(k_next), self.settings.vocab_size, device=dev) if need_probs else None
+        with self._on_stream():
+            # step 0: feed the last draft x_n, guess the bonus token at position L + n
+            width = proposal.draft_token_ids.shape[1]
+            last = torch.tensor([b * width + n_of[b] - 1 for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+            feed = proposal.draft_token_ids.view(-1).index_select(0, last).long()
+            base = [r.context_len + n_of[b] for b, r in zip(rows, reqs)]   # position of the bonus
+            q, _, _ = self._forward(reqs, feed, base, [1] * len(rows), [r.num_generated + n_of[b]
+                                                                         for b, r in zip(rows, reqs)])
+            if self.settings.coupled:
+                guess = self._sample(q, reqs, base)        # the target's own race noise: likely the bonus
+            else:
+                guess = q.argmax(-1).to(torch.int32)       # the draft's most likely bonus
+            feed = guess.long()
+            active = list(range(len(rows)))
+            for j in range(max(k_next)):
+                active = [i for i in active if j < k_next[i]]
+                sel = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
+                sub = [reqs[i] for i in active]
+                seq = [base[i] + 1 + j for i in active]
+                q, _, _ = self._forward(sub, feed.index_select(0, sel), seq, [1] * len(active),
+                                        [reqs[i].num_generated + n_of[rows[i]] + 1 + j for i in active])
+                y = self._sample(q, sub, seq)
+                out_ids[sel, j] = y
+                if out_probs is not None:
+                    out_probs[sel, j] = q
+                feed = torch.zeros(len(rows), dtype=torch.int64, device=dev)
+                feed[sel] = y.long()
+        seconds = (time.perf_counter() - t0) / len(rows)
+        return {b: PreDraft(guess[i], out_ids[i, :k_next[i]], None if out_probs is None else out_probs[i, :k_next[i]],
+                            k_next[i], base[i] + k_next[i], seconds)
+                for i, b in enumerate(rows)}
