@@ -36,7 +36,7 @@ __all__ = ["KINDS", "SMALL_M", "KernelPolicy", "FloatLinear", "QuantLinear", "Qu
 
 KINDS = ops.QUANT_KINDS  # ("int8", "q8_0", "q4_0", "q4_1")
 GROUP = reference.QUANT_GROUP  # 32 features per scale group
-SMALL_M = 16  # rows up to which the small-M kernel replaces torch's GEMM (bench/forward.py)
+SMALL_M = 128  # rows up to which the kernel replaces torch's GEMM: every decode / verify batch (bench/forward.py)
 _GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # fp16 d [, fp16 m], quants
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _LINEAR = torch.ops.specrt.linear.default

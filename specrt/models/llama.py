@@ -20,7 +20,7 @@ device->host sync):
     the keys are cut to exactly the context and SDPA runs without a mask.
 K and V of all the blocks a batch reads are fetched with ONE ``index_select`` per layer.
 
-Projections (specrt.models.linear): decode / verify rows (<= 16 by default) run on specrt's
+Projections (specrt.models.linear): decode / verify rows (<= 128 by default) run on specrt's
 small-M kernel — one pass over the weights for all rows, and the same reduction order for any
 row count, so a verify row equals the decode of that token bit for bit (greedy speculative
 output then equals autoregressive output in bf16 too); prefill runs on torch's GEMM; quantized
@@ -473,7 +473,7 @@ class LlamaForCausalLM(nn.Module):
 
     def set_linear_kernel(self, max_rows: int) -> None:
         """Projections of at most ``max_rows`` rows (tokens) run on specrt's small-M kernel (default
-        16); 0 runs every projection on torch's path (F.linear, and torch's int8 / dequantize for
+        SMALL_M = 128); 0 runs every projection on torch's path (F.linear, and torch's int8 / dequantize for
         quantized layers). Greedy bf16 speculative output equals autoregressive output only with it."""
         if not isinstance(max_rows, int) or max_rows < 0:
             raise ValueError(f"max_rows must be an integer >= 0, got {max_rows!r}")
