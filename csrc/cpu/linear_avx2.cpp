@@ -19,7 +19,12 @@ struct BV {
   V even, odd;
 };
 
-inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+inline void h2f16(const uint16_t* p, int n, float* out) {
+  alignas(32) uint16_t buf[16] = {0};
+  for (int i = 0; i < n; ++i) buf[i] = p[i];
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))));
+  _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf + 8))));
+}
 inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
 inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
@@ -62,10 +67,17 @@ inline V load_i8_n(const int8_t* p, int n) {
   for (int i = 0; i < n; ++i) buf[i] = p[i];
   return load_i8(buf);
 }
-inline V load_q4(const uint8_t* p, int half) {
+inline V iota16() { return {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15)}; }
+// table[idx & 15] for 8 lanes: vpermps reads bits [2:0], bit 3 picks the table half
+inline __m256 lut8(__m256i idx, const V& table) {
+  const __m256 a = _mm256_permutevar8x32_ps(table.lo, idx), b = _mm256_permutevar8x32_ps(table.hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+inline void lut16(const uint8_t* p, const V& table, V& lo, V& hi) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i q = half ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0xF)) : _mm_and_si128(b, _mm_set1_epi8(0xF));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+  const __m256i i0 = _mm256_cvtepu8_epi32(b), i1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  lo = {lut8(i0, table), lut8(i1, table)};
+  hi = {lut8(_mm256_srli_epi32(i0, 4), table), lut8(_mm256_srli_epi32(i1, 4), table)};
 }
 
 inline V split_even(__m256i a, __m256i b) {

@@ -19,7 +19,9 @@ struct BV {  // 16 (even, odd) bf16 pairs widened to fp32
   __m512 even, odd;
 };
 
-inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+inline void h2f16(const uint16_t* p, int n, float* out) {
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p)));
+}
 inline V vzero() { return _mm512_setzero_ps(); }
 inline V vset1(float s) { return _mm512_set1_ps(s); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
@@ -43,10 +45,11 @@ inline V load_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline V load_i8_n(const int8_t* p, int n) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask16(n), p))); }
-inline V load_q4(const uint8_t* p, int half) {
+inline V iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline void lut16(const uint8_t* p, V table, V& lo, V& hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i q = half ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0xF));
-  return _mm512_cvtepi32_ps(q);
+  lo = _mm512_permutexvar_ps(b, table);  // vpermps reads index bits [3:0]: the low nibble
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
 }
 
 inline BV split_bv(__m512i v) {

@@ -41,6 +41,9 @@ inline float h2f(uint16_t h) {
   }
   return bits_f(sign | ((exp + 127u - 15u) << 23) | (mant << 13));
 }
+inline void h2f16(const uint16_t* p, int n, float* out) {
+  for (int i = 0; i < n; ++i) out[i] = h2f(p[i]);
+}
 inline float bf2f(uint16_t h) { return bits_f(static_cast<uint32_t>(h) << 16); }
 
 inline V vzero() { V r; for (int i = 0; i < 16; ++i) r.v[i] = 0.0f; return r; }
@@ -63,10 +66,12 @@ inline V load_bf16_n(const uint16_t* p, int n) { V r = vzero(); for (int i = 0; 
 inline V load_bf16(const uint16_t* p) { return load_bf16_n(p, 16); }
 inline V load_i8_n(const int8_t* p, int n) { V r = vzero(); for (int i = 0; i < n; ++i) r.v[i] = static_cast<float>(p[i]); return r; }
 inline V load_i8(const int8_t* p) { return load_i8_n(p, 16); }
-inline V load_q4(const uint8_t* p, int half) {
-  V r;
-  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(half ? (p[i] >> 4) : (p[i] & 0xF));
-  return r;
+inline V iota16() { V r; for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(i); return r; }
+inline void lut16(const uint8_t* p, const V& table, V& lo, V& hi) {
+  for (int i = 0; i < 16; ++i) {
+    lo.v[i] = table.v[p[i] & 0xF];
+    hi.v[i] = table.v[p[i] >> 4];
+  }
 }
 
 inline BV load_bv_n(const uint16_t* p, int n) {

@@ -4,9 +4,11 @@
 //   V (16 fp32 lanes): vzero, vset1, vadd, vsub, vmul, vfma(a, b, c) = a*b + c,
 //     vreduce (the fixed tree of linear_kernel.h), and loaders into fp32 lanes:
 //     load_f32[_n], load_bf16[_n], load_i8[_n] (first n elements, rest 0),
-//     load_q4(p, half) (16 packed bytes -> low (half 0) or high (half 1) nibbles);
+//     iota16 (lanes 0..15), lut16(p, table, lo, hi) (16 packed bytes: lo = table[low
+//     nibbles], hi = table[high nibbles]);
 //   BV (32 bf16 for the vdpbf16ps order): load_bv[_n], vdp(acc, w, x);
-//   h2f (exact fp16 -> fp32) and the tile sizes kNR (weight rows) and kMR (x rows).
+//   h2f16(p, n, out) (n <= 16 exact fp16 -> fp32) and the tile sizes kNR (weight rows) and
+//   kMR (x rows).
 // Every tile computes each output element with the same operations in the same
 // order, so the result of a row never depends on the tiling, on M or on threads.
 // No torch or standard-library templates here: this code is compiled once per ISA.
@@ -40,47 +42,116 @@ struct RowInt8 {  // w = scale[n] * q
   V tail(int64_t c, int n) const { return vmul(load_i8_n(q + 16 * c, n), scale); }
 };
 
-struct RowQ8_0 {  // w = d * q
-  const int8_t* q;
-  const uint16_t* d;
-  void init(const Problem& p, int64_t n) {
-    q = static_cast<const int8_t*>(p.w) + n * p.K;
-    d = static_cast<const uint16_t*>(p.scales) + n * (p.K / kGroup);
-  }
-  V chunk(int64_t c) const { return vmul(load_i8(q + 16 * c), vset1(h2f(d[c >> 1]))); }
-  V tail(int64_t, int) const { return vzero(); }  // K % 32 == 0: never called
+// Group formats: group(g, lo, hi) = fp32 lanes of features [32g, 32g+16) and [32g+16, 32g+32),
+// for g in a block of 16 groups whose fp16 scales widen(g0, n) converted beforehand.
+struct GroupScales {
+  const uint16_t* src;
+  float v[16];
+  void init(const uint16_t* p) { src = p; }
+  void widen(int64_t g0, int n) { h2f16(src + g0, n, v); }
+  float at(int64_t g) const { return v[g & 15]; }
 };
 
+struct RowQ8_0 {  // w = d * q
+  const int8_t* q;
+  GroupScales d;
+  void init(const Problem& p, int64_t n) {
+    const int64_t ng = p.K / kGroup;
+    q = static_cast<const int8_t*>(p.w) + n * p.K;
+    d.init(static_cast<const uint16_t*>(p.scales) + n * ng);
+  }
+  void widen(int64_t g0, int n) { d.widen(g0, n); }
+  void group(int64_t g, V& lo, V& hi) const {
+    const V dv = vset1(d.at(g));
+    lo = vmul(load_i8(q + 32 * g), dv);
+    hi = vmul(load_i8(q + 32 * g + 16), dv);
+  }
+};
+
+// Q4: the 16 possible weights of a group are computed once (a table: the exact values
+// llama.cpp dequantizes to), then every nibble is looked up.
 struct RowQ4_0 {  // w = d * (q - 8)
   const uint8_t* q;
-  const uint16_t* d;
+  GroupScales d;
   void init(const Problem& p, int64_t n) {
+    const int64_t ng = p.K / kGroup;
     q = static_cast<const uint8_t*>(p.w) + n * (p.K / 2);
-    d = static_cast<const uint16_t*>(p.scales) + n * (p.K / kGroup);
+    d.init(static_cast<const uint16_t*>(p.scales) + n * ng);
   }
-  V chunk(int64_t c) const {
-    return vmul(vsub(load_q4(q + 16 * (c >> 1), static_cast<int>(c & 1)), vset1(8.0f)), vset1(h2f(d[c >> 1])));
-  }
-  V tail(int64_t, int) const { return vzero(); }
+  void widen(int64_t g0, int n) { d.widen(g0, n); }
+  void group(int64_t g, V& lo, V& hi) const { lut16(q + 16 * g, vmul(vsub(iota16(), vset1(8.0f)), vset1(d.at(g))), lo, hi); }
 };
 
 struct RowQ4_1 {  // w = fl(fl(d * q) + m): no fused multiply-add, as gguf-py dequantizes
   const uint8_t* q;
-  const uint16_t* d;
-  const uint16_t* m;
+  GroupScales d, m;
   void init(const Problem& p, int64_t n) {
+    const int64_t ng = p.K / kGroup;
     q = static_cast<const uint8_t*>(p.w) + n * (p.K / 2);
-    d = static_cast<const uint16_t*>(p.scales) + n * (p.K / kGroup);
-    m = p.mins + n * (p.K / kGroup);
+    d.init(static_cast<const uint16_t*>(p.scales) + n * ng);
+    m.init(p.mins + n * ng);
   }
-  V chunk(int64_t c) const {
-    return vadd(vmul(load_q4(q + 16 * (c >> 1), static_cast<int>(c & 1)), vset1(h2f(d[c >> 1]))),
-                vset1(h2f(m[c >> 1])));
+  void widen(int64_t g0, int n) {
+    d.widen(g0, n);
+    m.widen(g0, n);
   }
-  V tail(int64_t, int) const { return vzero(); }
+  void group(int64_t g, V& lo, V& hi) const { lut16(q + 16 * g, vadd(vmul(iota16(), vset1(d.at(g))), vset1(m.at(g))), lo, hi); }
 };
 
 #endif  // SPECRT_LINEAR_DOT_ONLY
+
+// ---- software prefetch. A tile's rows [n, n + NR) are contiguous in each weight stream
+// (quants, scales, mins) and tiles are visited in memory order, so each stream is read
+// front to back; rows are short (e.g. 576 bytes of int8), too short for the hardware
+// prefetchers to ramp up. Lines are requested ahead of the linear read position: for one x
+// row (little work per line) kFar ahead into L1; for more rows, where the FMAs would
+// otherwise hold back the loads, kFar2 ahead into L2 and kNear ahead from L2 into L1.
+// (Measured on Zen 4: bench/forward.py; hints only, results do not depend on them.)
+constexpr int64_t kFar = 8192, kFar2 = 16384, kNear = 1024;
+
+struct Prefetch {
+  const char* base[3];
+  const char* far[3];
+  const char* near[3];
+  int64_t rate[3];  // tile bytes per chunk, 16.16 fixed point
+  int ns = 0;
+
+  void init(const Problem& p, int64_t n, int nr, int64_t nc, bool two_level) {
+    const int64_t K = p.K, G = K / kGroup;
+    int64_t row[3] = {0, 0, 0};
+    const void* ptr[3] = {p.w, p.scales, p.mins};
+    switch (p.kind) {
+      case WeightKind::kF32: row[0] = 4 * K; break;
+      case WeightKind::kBF16: row[0] = 2 * K; break;
+      case WeightKind::kInt8: row[0] = K; break;
+      case WeightKind::kQ8_0: row[0] = K; row[1] = 2 * G; break;
+      case WeightKind::kQ4_0: row[0] = K / 2; row[1] = 2 * G; break;
+      case WeightKind::kQ4_1: row[0] = K / 2; row[1] = 2 * G; row[2] = 2 * G; break;
+    }
+    ns = 0;
+    for (int s = 0; s < 3; ++s) {
+      if (!row[s] || !ptr[s]) continue;
+      base[ns] = static_cast<const char*>(ptr[s]) + n * row[s];
+      rate[ns] = nc ? (nr * row[s] << 16) / nc : 0;
+      far[ns] = base[ns] + (two_level ? kFar2 : kFar);
+      near[ns] = two_level ? base[ns] + kNear : nullptr;
+      ++ns;
+    }
+  }
+  // before reading chunk c: lines up to the distances past the end of chunk c are requested
+  template <bool kTwoLevel>
+  void at(int64_t c) {
+    for (int s = 0; s < ns; ++s) {
+      const char* end = base[s] + (((c + 1) * rate[s]) >> 16);
+      if constexpr (kTwoLevel) {
+        for (; far[s] < end + kFar2; far[s] += 64) __builtin_prefetch(far[s], 0, 2);
+        for (; near[s] < end + kNear; near[s] += 64) __builtin_prefetch(near[s], 0, 3);
+      } else {
+        for (; far[s] < end + kFar; far[s] += 64) __builtin_prefetch(far[s], 0, 3);
+      }
+    }
+  }
+};
 
 // ---- output: y = s + bias, stored as fp32 or rounded to bf16 (nearest-even, NaN kept)
 static inline void store_out(const Problem& p, int64_t m, int64_t n, float s) {
@@ -108,7 +179,11 @@ static void tile_f32(const Problem& p, int64_t n, int64_t m0) {
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
   const int64_t nc = p.K / 16;
+  constexpr bool kTwoLevel = MR >= 2;
+  Prefetch pf;
+  pf.init(p, n, NR, nc, kTwoLevel);
   for (int64_t c = 0; c < nc; ++c) {
+    pf.at<kTwoLevel>(c);
     V w[NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) w[r] = row[r].chunk(c);
@@ -132,6 +207,42 @@ static void tile_f32(const Problem& p, int64_t n, int64_t m0) {
     for (int r = 0; r < NR; ++r) store_out(p, m0 + m, n + r, vreduce(acc[r][m]));
 }
 
+// ---- group formats (K % 32 == 0): the same order as tile_f32, two chunks per step
+template <class Row, int NR, int MR>
+static void tile_group(const Problem& p, int64_t n, int64_t m0) {
+  Row row[NR];
+  for (int r = 0; r < NR; ++r) row[r].init(p, n + r);
+  const float* x = static_cast<const float*>(p.x) + m0 * p.ldx;
+  const int64_t ldx = p.ldx;
+  V acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
+  const int64_t ng = p.K / 32;
+  constexpr bool kTwoLevel = MR >= 2;
+  Prefetch pf;
+  pf.init(p, n, NR, 2 * ng, kTwoLevel);
+  for (int64_t g0 = 0; g0 < ng; g0 += 16) {
+    const int64_t g1 = (ng - g0 < 16) ? ng : g0 + 16;
+    for (int r = 0; r < NR; ++r) row[r].widen(g0, static_cast<int>(g1 - g0));
+    for (int64_t g = g0; g < g1; ++g) {
+      pf.at<kTwoLevel>(2 * g + 1);
+      V lo[NR], hi[NR];
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) row[r].group(g, lo[r], hi[r]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const V xl = load_f32(x + m * ldx + 32 * g);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) acc[r][m] = vfma(lo[r], xl, acc[r][m]);
+        const V xh = load_f32(x + m * ldx + 32 * g + 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; ++r) acc[r][m] = vfma(hi[r], xh, acc[r][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) store_out(p, m0 + m, n + r, vreduce(acc[r][m]));
+}
 #endif  // SPECRT_LINEAR_DOT_ONLY
 
 // ---- bf16 x bf16: 32-element chunks in the vdpbf16ps order
@@ -144,7 +255,11 @@ static void tile_bf16dot(const Problem& p, int64_t n, int64_t m0) {
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = vzero();
   const int64_t nc = K / 32;
+  constexpr bool kTwoLevel = MR >= 2;
+  Prefetch pf;
+  pf.init(p, n, NR, nc, kTwoLevel);
   for (int64_t c = 0; c < nc; ++c) {
+    pf.at<kTwoLevel>(c);
     BV w[NR];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) w[r] = load_bv(w0 + r * K + 32 * c);
@@ -174,6 +289,12 @@ template <class Row, int NR>
 struct F32Tiles {
   template <int MR>
   static void tile(const Problem& p, int64_t n, int64_t m0) { tile_f32<Row, NR, MR>(p, n, m0); }
+};
+
+template <class Row, int NR>
+struct GroupTiles {
+  template <int MR>
+  static void tile(const Problem& p, int64_t n, int64_t m0) { tile_group<Row, NR, MR>(p, n, m0); }
 };
 #endif
 
@@ -238,9 +359,9 @@ static void run_problem(const Problem& p, int64_t n0, int64_t n1) {
     case WeightKind::kF32: run_tiles<F32Tiles<RowF32, kNR>, F32Tiles<RowF32, 1>>(p, n0, n1); break;
     case WeightKind::kBF16: run_tiles<F32Tiles<RowBF16, kNR>, F32Tiles<RowBF16, 1>>(p, n0, n1); break;
     case WeightKind::kInt8: run_tiles<F32Tiles<RowInt8, kNR>, F32Tiles<RowInt8, 1>>(p, n0, n1); break;
-    case WeightKind::kQ8_0: run_tiles<F32Tiles<RowQ8_0, kNR>, F32Tiles<RowQ8_0, 1>>(p, n0, n1); break;
-    case WeightKind::kQ4_0: run_tiles<F32Tiles<RowQ4_0, kNR>, F32Tiles<RowQ4_0, 1>>(p, n0, n1); break;
-    case WeightKind::kQ4_1: run_tiles<F32Tiles<RowQ4_1, kNR>, F32Tiles<RowQ4_1, 1>>(p, n0, n1); break;
+    case WeightKind::kQ8_0: run_tiles<GroupTiles<RowQ8_0, kNR>, GroupTiles<RowQ8_0, 1>>(p, n0, n1); break;
+    case WeightKind::kQ4_0: run_tiles<GroupTiles<RowQ4_0, kNR>, GroupTiles<RowQ4_0, 1>>(p, n0, n1); break;
+    case WeightKind::kQ4_1: run_tiles<GroupTiles<RowQ4_1, kNR>, GroupTiles<RowQ4_1, 1>>(p, n0, n1); break;
   }
 }
 #endif  // SPECRT_LINEAR_DOT_ONLY
