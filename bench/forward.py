@@ -11,10 +11,12 @@
    q4_1, with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
    F.linear; torch's ``_weight_int8pack_mm`` for int8; no torch path for the GGUF formats).
    floor = bytes of the weights a forward streams (every projection + the LM head) / copy GB/s.
+   "linears" times just the forward's projections and LM head (the kernels' part of it).
 3. Per-linear microbenchmarks at the SmolLM2 shapes, M = 1, 2, 5, 8, 16: the kernel vs
    F.linear (fp32 / bf16) and vs torch's ``_weight_int8pack_mm`` (int8).
 Every pair is timed alternately in one process and summarised by medians (the machine may be
-shared: compare the ratios, not the absolute times).
+shared: compare the ratios, not the absolute times; ``--clock cpu`` times this thread's CPU
+time instead of wall time, which a busy machine disturbs less).
 """
 from __future__ import annotations
 
@@ -48,12 +50,15 @@ SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 5
 MODES = ("fp32", "bf16", "int8", "q8_0", "q4_0", "q4_1")
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time; 1 thread only)
+
+
 def median_time(fn, repeats: int) -> float:
     ts = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = CLOCK()
         fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(CLOCK() - t)
     return statistics.median(ts)
 
 
@@ -64,10 +69,10 @@ def alternate(fns: dict, repeats: int, inner: int = 1) -> dict[str, float]:
     ts = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
-            t = time.perf_counter()
+            t = CLOCK()
             for _ in range(inner):
                 fn()
-            ts[k].append((time.perf_counter() - t) / inner)
+            ts[k].append((CLOCK() - t) / inner)
     return {k: statistics.median(v) for k, v in ts.items()}
 
 
@@ -77,7 +82,8 @@ def bandwidth(mbytes: int = 512, repeats: int = 7) -> dict[str, float]:
     a = torch.ones(mbytes * 2**20 // 4)
     b = torch.empty_like(a)
     copy = median_time(lambda: b.copy_(a), repeats)
-    read = median_time(lambda: torch.amax(a), repeats)
+    ints = a.view(torch.int32)  # an integer max reads at full speed (a float one checks NaNs)
+    read = median_time(lambda: torch.amax(ints), repeats)
     return {"copy_gbs": 2 * a.numel() * 4 / copy / 1e9, "read_gbs": a.numel() * 4 / read / 1e9}
 
 
@@ -129,6 +135,25 @@ def forward_fns(model: LlamaForCausalLM, context: int) -> dict:
     return fns
 
 
+def linears_fn(model: LlamaForCausalLM, q: int):
+    """fn() running just the projections and the LM head of one q-token forward (the prepared
+    callables the model calls, on random activations): the kernels' share of a forward."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(q, cfg.hidden_size, generator=g).to(model.dtype)
+    xi = torch.randn(q, cfg.intermediate_size, generator=g).to(model.dtype)
+    calls = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        calls += [(a._qkv, x), (a._o, x), (m._gate_up, x), (m._down, xi)]
+    calls.append((model._lm_head, x))
+
+    def run():
+        for fn, inp in calls:
+            fn(inp)
+    return run
+
+
 def bench_model(modes, threads_list, repeats: int, context: int, copy_gbs: float) -> list[dict]:
     rows = []
     for mode in modes:
@@ -144,13 +169,15 @@ def bench_model(modes, threads_list, repeats: int, context: int, copy_gbs: float
                 model.set_linear_kernel(max_rows)
                 fns[q]()
 
-            cases = {"ours1": lambda: run(1, 128), "ours5": lambda: run(5, 128)}
+            lin1, lin5 = linears_fn(model, 1), linears_fn(model, 5)
+            cases = {"ours1": lambda: run(1, 128), "ours5": lambda: run(5, 128), "lin1": lin1, "lin5": lin5}
             if has_torch:
                 cases.update({"torch1": lambda: run(1, 0), "torch5": lambda: run(5, 0)})
             t = alternate(cases, repeats)
             model.set_linear_kernel(128)
             row = {"mode": mode, "threads": threads, "weight_mb": nbytes / 2**20, "floor_ms": floor_ms,
                    "ours1_ms": t["ours1"] * 1e3, "ours5_ms": t["ours5"] * 1e3,
+                   "linears1_ms": t["lin1"] * 1e3, "linears5_ms": t["lin5"] * 1e3,
                    "torch1_ms": t["torch1"] * 1e3 if has_torch else None,
                    "torch5_ms": t["torch5"] * 1e3 if has_torch else None}
             rows.append(row)
@@ -169,12 +196,13 @@ def format_model_row(r: dict) -> str:
     ratio_t = f"{r['torch5_ms'] / r['torch1_ms']:5.2f}" if r["torch1_ms"] else "    -"
     return (f"| {r['mode']:5s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
             f"| {pct(r['ours1_ms'])} | {ms(r['ours5_ms'])} | {r['ours5_ms'] / r['ours1_ms']:5.2f} "
+            f"| {ms(r['linears1_ms'])} | {pct(r['linears1_ms'])} | {r['linears5_ms'] / r['linears1_ms']:5.2f} "
             f"| {ms(r['torch1_ms'])} | {pct(r['torch1_ms'])} | {ms(r['torch5_ms'])} | {ratio_t} |")
 
 
 MODEL_HEADER = ("| mode | thr | weights MB | floor ms | ours 1-tok ms | % floor | ours 5-tok ms | 5/1 "
-                "| torch 1-tok ms | % floor | torch 5-tok ms | 5/1 |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|")
+                "| linears 1-tok ms | % floor | 5/1 | torch 1-tok ms | % floor | torch 5-tok ms | 5/1 |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -225,13 +253,21 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-modes", default="fp32,bf16,int8,q4_1")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (1 thread only): steadier on a shared machine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
-    out = {"bandwidth": bandwidth(), "isa": ops.linear_isa_names()[0], "torch": torch.__version__}
+    if args.clock == "cpu":
+        if threads != [1]:
+            ap.error("--clock cpu needs --threads 1 (CPU time of one thread)")
+        global CLOCK
+        CLOCK = time.thread_time
+    out = {"bandwidth": bandwidth(), "isa": ops.linear_isa_names()[0], "torch": torch.__version__,
+           "clock": args.clock, "threads": threads}
     bw = out["bandwidth"]
     print(f"copy bandwidth (1 thread): {bw['copy_gbs']:.1f} GB/s (read+write); read: {bw['read_gbs']:.1f} GB/s; "
-          f"kernel ISA: {out['isa']}")
+          f"kernel ISA: {out['isa']}; clock: {args.clock}")
     if not args.skip_model:
         print(f"\nSmolLM2-135M-shaped forward, batch 1, context {args.context}; floor = weights / copy GB/s\n")
         print(MODEL_HEADER)

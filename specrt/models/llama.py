@@ -45,7 +45,7 @@ from torch import nn
 
 from specrt.kv_cache import AttentionMetadata, write_kv
 from specrt.models.config import ModelConfig
-from specrt.models.linear import KernelPolicy, fuse_linears, prepare_linear
+from specrt.models.linear import KernelPolicy, QuantEmbedding, QuantLinear, fuse_linears, prepare_linear
 
 _LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan)
 
@@ -506,8 +506,9 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn_fp32 = enabled
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear \
-                and isinstance(self.model.embed_tokens, nn.Embedding):
+        # a quantized head / embedding already shares one quantized matrix (quant.quantize_model_)
+        if self.config.tie_word_embeddings and not isinstance(self.lm_head, QuantLinear) \
+                and not isinstance(self.model.embed_tokens, QuantEmbedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
