@@ -251,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--kernel-modes", default="fp32,bf16,int8,q4_1")
+    ap.add_argument("--kernel-ms", default="1,2,5,8,16", help="x rows of the per-linear microbenchmarks")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -275,7 +276,8 @@ def main(argv=None) -> int:
     if not args.skip_kernels:
         print("\nper-linear kernels (int8: x bf16 vs torch._weight_int8pack_mm; torch/ours > 1: ours faster)\n")
         print("| mode | thr | shape | M | ours us | torch us | torch/ours |\n|---|---|---|---|---|---|---|")
-        out["kernels"] = bench_kernels(args.kernel_modes.split(","), threads, max(5, args.repeats // 2))
+        out["kernels"] = bench_kernels(args.kernel_modes.split(","), threads, max(5, args.repeats // 2),
+                                       tuple(int(m) for m in args.kernel_ms.split(",")))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

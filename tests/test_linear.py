@@ -252,6 +252,14 @@ def test_cuda_tensors_take_torch_path():
     torch.testing.assert_close(got, ops.quant_linear(x.cpu(), q, s, m, None, "q4_1"), rtol=1e-4, atol=1e-4)
 
 
+def test_hugepage_copy_keeps_values():
+    from specrt.models.linear import hugepage_copy
+
+    for t in (rand(1024, 1024, dtype=torch.bfloat16), rand(3, 5), torch.arange(3 << 20, dtype=torch.int8)):
+        h = hugepage_copy(t)
+        assert h.dtype == t.dtype and h.shape == t.shape and h.is_contiguous() and torch.equal(h, t)
+
+
 # ----------------------------------------------------------------------------- models
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

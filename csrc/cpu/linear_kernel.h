@@ -17,6 +17,10 @@
 //     s4[i] = s8[i] + s8[i+4], s2[i] = s4[i] + s4[i+2], s = s2[0] + s2[1];
 //     y = s + bias (fp32), rounded to bf16 (nearest-even) for a bf16 output.
 // Each output row is computed whole by one thread, so threads change nothing.
+//
+// Not here yet: an Intel AMX-BF16 tile path (TDPBF16PS). Its accumulation order inside a
+// tile differs from vdpbf16ps, so it would need its own fixed order, emulated by the other
+// ISAs to stay bit-identical, and an AMX machine to test on.
 #pragma once
 
 #include <cstdint>
