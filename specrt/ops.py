@@ -457,3 +457,93 @@ def attention_cpu_isa(cap: int = -1) -> int:
     1 AVX2+FMA, 2 AVX-512; -1 only asks) and return the level in use before the call. Every level
     returns the same bits; tests use this to check that."""
     return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
+
+
+
+# --------------------------------------------------------------------------- #
+# Small-M linear kernel: decode / verify projections at the memory floor
+# (csrc/cpu/linear_kernel.h; section owned by the linear-layer work)
+# --------------------------------------------------------------------------- #
+QUANT_KINDS = ("int8", "q8_0", "q4_0", "q4_1")
+
+
+def _linear_input(x, name: str = "x") -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least 1 dim [..., K], got a scalar")
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x weight^T + bias, batch-invariant: each row's result never depends on the other rows.
+
+    Built for decode and verification (a few rows): every weight row is streamed
+    once for all rows of x, with fp32 accumulation in a fixed order per output
+    (csrc/cpu/linear_kernel.h), the same for any row count, thread count and ISA
+    (AVX-512-BF16 / AVX-512 / AVX2 / scalar). bf16 x with bf16 weights accumulates
+    in the vdpbf16ps order; other bf16 x is widened to fp32 exactly.
+
+    Shape: x [..., K] float32 or bfloat16; weight [N, K] float32 or bfloat16;
+    bias [N] (any float dtype) or None.
+    Returns: y [..., N] in x's dtype. Non-CPU tensors take torch's ``F.linear``.
+
+    Example:
+        >>> y = ops.linear(torch.randn(5, 576), torch.randn(1536, 576))  # [5, 1536]
+    """
+    x2 = _linear_input(x)
+    if x2.device.type != "cpu":
+        return torch.nn.functional.linear(x, weight, bias)
+    y = torch.ops.specrt.linear(x2, weight, bias)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """y = x W^T + bias with W weight-only quantized, dequantized in registers (fp32 accumulation).
+
+    The result is bit-for-bit ``linear(x, W_float)`` with ``W_float =
+    reference.dequantize_weight(qweight, scales, mins, kind)`` (llama.cpp's values).
+
+    Shape: x [..., K] float32 or bfloat16 (bf16 is widened to fp32); for kind
+      ``"int8"``: qweight [N, K] int8, scales [N] float32 (w = scale * q);
+      ``"q8_0"``: qweight [N, K] int8, scales [N, K/32] float16 (w = d * q);
+      ``"q4_0"``: qweight [N, K/2] uint8 (GGUF nibble order), scales [N, K/32] float16 (w = d * (q - 8));
+      ``"q4_1"``: as q4_0 plus mins [N, K/32] float16 (w = d * q + m).
+    mins is None except for q4_1; K must be a multiple of 32 for the grouped kinds.
+    Returns: y [..., N] in x's dtype. Non-CPU tensors dequantize and take ``F.linear``.
+
+    Example:
+        >>> y = ops.quant_linear(x, qweight, d, None, None, "q8_0")
+    """
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+    x2 = _linear_input(x)
+    if x2.device.type != "cpu":
+        from specrt import reference
+        return reference.quant_linear(x, qweight, scales, mins, bias, kind)
+    y = torch.ops.specrt.quant_linear(x2, qweight, scales, mins, bias, kind)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_isa_names() -> list[str]:
+    """ISAs the linear kernel can use on this CPU, best first (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
+    return list(torch.ops.specrt.linear_isa_names())
+
+
+def set_linear_isa(name: str) -> str:
+    """Cap the linear kernel's ISA (all give identical bits; for tests and benchmarks); "" = best.
+
+    Returns: the previous ISA name."""
+    return torch.ops.specrt.set_linear_isa(str(name))
+
+
+@torch.library.register_fake("specrt::linear")
+def _linear_fake(x, weight, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("specrt::quant_linear")
+def _quant_linear_fake(x, qweight, scales, mins, bias, kind):
+    return x.new_empty(x.shape[0], qweight.shape[0])

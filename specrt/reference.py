@@ -309,3 +309,54 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H, n, s]
         out[starts[b]:starts[b + 1]] = torch.einsum("hns,shd->nhd", probs, v).float()
     return out
+
+
+# --------------------------------------------------------------------------- #
+# Linear layers: float and weight-only quantized (ops.linear / ops.quant_linear)
+# (section owned by the small-M linear kernel; csrc/cpu/linear_kernel.h)
+# --------------------------------------------------------------------------- #
+QUANT_GROUP = 32  # input features per scale group of q8_0 / q4_0 / q4_1
+
+
+def unpack_q4(qweight: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit weights [N, K/2] uint8 -> values [N, K] in 0..15 (uint8).
+
+    Each group of 32 features is 16 bytes; byte j holds feature j (low nibble)
+    and feature j + 16 (high nibble), as in GGUF Q4_0 / Q4_1 blocks."""
+    n = qweight.shape[0]
+    b = qweight.reshape(n, -1, QUANT_GROUP // 2)  # [N, G, 16]
+    return torch.cat((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      kind: str) -> torch.Tensor:
+    """The float32 weight [N, K] a quantized weight stands for (llama.cpp / gguf-py values).
+
+    int8: ``scale[n] * q``; q8_0: ``d * q``; q4_0: ``d * (q - 8)``; q4_1: ``fl(d * q) + m``
+    (two roundings, no fused multiply-add), with fp16 ``d`` / ``m`` per 32 features."""
+    if kind == "int8":
+        return qweight.float() * scales.float()[:, None]
+    n = qweight.shape[0]
+    q = (unpack_q4(qweight) if kind in ("q4_0", "q4_1") else qweight).float().reshape(n, -1, QUANT_GROUP)
+    d = scales.float()[:, :, None]
+    if kind == "q8_0":
+        w = q * d
+    elif kind == "q4_0":
+        w = (q - 8.0) * d
+    elif kind == "q4_1":
+        w = (d * q) + mins.float()[:, :, None]
+    else:
+        raise ValueError(f"kind must be one of int8, q8_0, q4_0, q4_1, got {kind!r}")
+    return w.reshape(n, -1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x weight^T + bias in float32 (torch's GEMM), returned in x's dtype."""
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """linear() over the dequantized weight."""
+    return linear(x, dequantize_weight(qweight, scales, mins, kind), bias)

@@ -358,8 +358,11 @@ def test_dtype_auto_reads_checkpoint(ckpt):
         cfg.get("dtype") or cfg.get("torch_dtype"), torch.float32)
 
 
-def test_int8_weight_only_checkpoint_is_dequantised(tmp_path, ckpt):
-    """The specrt.models.quant on-disk format (int8 weight + float32 weight_scale) loads as float."""
+def test_int8_weight_only_checkpoint_stays_int8(tmp_path, ckpt):
+    """The specrt.models.quant on-disk format (int8 weight + float32 weight_scale) loads as an int8
+    layer that stays int8 (its dequantized weight is q * scale)."""
+    from specrt.models.linear import QuantLinear
+
     from safetensors.torch import load_file, save_file
 
     folder, _, model = ckpt("qwen2")
@@ -372,7 +375,9 @@ def test_int8_weight_only_checkpoint_is_dequantised(tmp_path, ckpt):
     save_file(sd, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     q = load_model(tmp_path)
-    got = q.model.layers[1].mlp.down_proj.weight
+    layer = q.model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantLinear) and layer.weight.dtype == torch.int8
+    got = layer.dequantize()
     assert got.dtype == torch.float32 and (got - w).abs().max() <= scale.max() / 2 + 1e-7
     prompt = prompt_of(9, 5)
     assert maxdiff(Runner(q).prefill("a", prompt), Runner(model).prefill("a", prompt)) < 0.1

@@ -24,8 +24,14 @@ from host-side lengths, no device->host sync):
     the keys are cut to exactly the context and SDPA runs without a mask.
 K and V of all the blocks a batch reads are fetched with ONE ``index_select`` per layer.
 
+Projections (specrt.models.linear): decode / verify rows (<= 128 by default) run on specrt's
+small-M kernel — one pass over the weights for all rows, and the same reduction order for any
+row count, so a verify row equals the decode of that token bit for bit (greedy speculative
+output then equals autoregressive output in bf16 too); prefill runs on torch's GEMM; quantized
+layers (QuantLinear) always run quantized. ``set_linear_kernel(0)`` switches the kernel off.
+
 CPU overhead (a decode step of a small model is dominated by per-op costs, not FLOPs):
-q/k/v and gate/up are fused into one GEMM each (``prepare``: the fused tensor is the storage
+q/k/v and gate/up are fused into one projection each (``prepare``: the fused tensor is the storage
 of the original parameters, so state_dict names and memory are unchanged — note safetensors'
 ``save_file`` refuses such shared storage: ``.clone()`` the tensors first); RoPE reads cos/sin
 rows from a table indexed by position and rotates q and k together (roll + addcmul); RMSNorm
@@ -43,6 +49,7 @@ from torch import nn
 
 from specrt.attention import AttentionMetadata, write_kv
 from specrt.models.config import ModelConfig
+from specrt.models.linear import KernelPolicy, QuantEmbedding, QuantLinear, fuse_linears, prepare_linear
 
 _LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan.sdpa)
 _KERNEL_MAX_QUERY = 16  # longer chunks (prefill after a cached prefix) attend with SDPA, a GEMM-shaped problem
@@ -446,37 +453,6 @@ def paged_attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, laye
 
 
 # ----------------------------------------------------------------------------- modules
-def _fuse_linears(*lins: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Concatenate nn.Linear weights along the output dim into one [sum(out), in] tensor and rebind
-    each module's weight (and bias) as a view of it: one GEMM instead of several, no extra memory,
-    state_dict names unchanged, in-place updates (load_state_dict) still land in the fused tensor.
-    None when any module is not a plain nn.Linear (e.g. sharded by other code)."""
-    if not all(type(m) is nn.Linear for m in lins) or len({m.weight.dtype for m in lins}) != 1:
-        return None
-    w = torch.cat([m.weight.detach() for m in lins])
-    has_bias = [m.bias is not None for m in lins]
-    b = None
-    if any(has_bias):
-        b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in lins])
-    start = 0
-    for m in lins:
-        n = m.out_features
-        m.weight = nn.Parameter(w[start:start + n], requires_grad=False)
-        if m.bias is not None:
-            m.bias = nn.Parameter(b[start:start + n], requires_grad=False)
-        start += n
-    return w, b
-
-
-def _linear_fn(m: nn.Module):
-    """A plain nn.Linear's (weight, bias) for F.linear, else the module itself (called as is)."""
-    return (m.weight, m.bias) if type(m) is nn.Linear else m
-
-
-def _apply_linear(fn, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, fn[0], fn[1]) if type(fn) is tuple else fn(x)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -491,18 +467,18 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hd, bias=config.o_proj_bias)
-        self._qkv = None  # (weight, bias) fused by LlamaForCausalLM.prepare(); None: separate projections
+        self._qkv = None  # fused q/k/v callable from LlamaForCausalLM.prepare(); None: separate projections
 
-    def prepare(self) -> None:
-        self._qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self._o = _linear_fn(self.o_proj)
+    def prepare(self, policy: KernelPolicy) -> None:
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, policy=policy)
+        self._o = prepare_linear(self.o_proj, policy)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; cos / sin [T, 1, D] from rope_operands (sin's first half negated)."""
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self._qkv is not None:
-            qkv = F.linear(x, self._qkv[0], self._qkv[1])  # [T, (H + 2 Hkv) D]
+            qkv = self._qkv(x)  # [T, (H + 2 Hkv) D]
             # RoPE on q and k at once (adjacent in the fused output)
             qk = _apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H + Hkv, D]
             q, k = qk[:, :H], qk[:, H:]
@@ -513,7 +489,7 @@ class LlamaAttention(nn.Module):
             k = self.k_proj(x).view(T, Hkv, D)  # [T, Hkv, D]
             v = self.v_proj(x).view(T, Hkv, D)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-            o_proj = _linear_fn(self.o_proj)
+            o_proj = self._o
         write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
         if self.attn_fp32 and q.dtype != torch.float32:
             # fp32 attention for half models: more accurate, and (nearly) independent of how the batch
@@ -521,7 +497,7 @@ class LlamaAttention(nn.Module):
             q, k, v = q.float(), k.float(), v.float()
         o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window,
                             self.attn_backend)  # [T, H, D]
-        return _apply_linear(o_proj, o.to(x.dtype).reshape(T, H * D))
+        return o_proj(o.to(x.dtype).reshape(T, H * D))
 
 
 class LlamaMLP(nn.Module):
@@ -532,17 +508,17 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(hd, it, bias=bias)
         self.down_proj = nn.Linear(it, hd, bias=bias)
         self.act = _ACTS[config.hidden_act]
-        self._gate_up = None  # (weight, bias) fused by LlamaForCausalLM.prepare()
+        self._gate_up = None  # fused gate/up callable from LlamaForCausalLM.prepare()
 
-    def prepare(self) -> None:
-        self._gate_up = _fuse_linears(self.gate_proj, self.up_proj)
-        self._down = _linear_fn(self.down_proj)
+    def prepare(self, policy: KernelPolicy) -> None:
+        self._gate_up = fuse_linears(self.gate_proj, self.up_proj, policy=policy)
+        self._down = prepare_linear(self.down_proj, policy)
 
     def forward(self, x):
         if self._gate_up is not None:
-            gu = F.linear(x, self._gate_up[0], self._gate_up[1])  # [T, 2 I]
+            gu = self._gate_up(x)  # [T, 2 I]
             n = gu.shape[-1] // 2
-            return _apply_linear(self._down, self.act(gu[..., :n]) * gu[..., n:])
+            return self._down(self.act(gu[..., :n]) * gu[..., n:])
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -554,9 +530,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def prepare(self) -> None:
-        self.self_attn.prepare()
-        self.mlp.prepare()
+    def prepare(self, policy: KernelPolicy) -> None:
+        self.self_attn.prepare(policy)
+        self.mlp.prepare(policy)
         self._norms = (self.input_layernorm.weight, self.input_layernorm.eps,
                        self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
 
@@ -586,17 +562,28 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        self.linear_policy = KernelPolicy()  # shared by every prepared projection (set_linear_kernel)
         self._prepared = False
 
     # -- fast path: fused q/k/v and gate/up weights, cached weight references (built lazily)
     def prepare(self) -> "LlamaForCausalLM":
-        """Fuse q/k/v and gate/up into single GEMMs and cache per-layer weight references.
+        """Fuse q/k/v and gate/up into single projections and cache per-layer callables
+        (specrt.models.linear: the small-M kernel for decode / verify rows, torch's GEMM for prefill).
         Runs lazily at the first forward; anything that replaces parameters or modules
         (``.to()``, ``load_state_dict(assign=True)``, tensor-parallel sharding) invalidates it."""
         for layer in self.model.layers:
-            layer.prepare()
+            layer.prepare(self.linear_policy)
+        self._lm_head = prepare_linear(self.lm_head, self.linear_policy)
         self._prepared = True
         return self
+
+    def set_linear_kernel(self, max_rows: int) -> None:
+        """Projections of at most ``max_rows`` rows (tokens) run on specrt's small-M kernel (default
+        SMALL_M = 128); 0 runs every projection on torch's path (F.linear, and torch's int8 / dequantize for
+        quantized layers). Greedy bf16 speculative output equals autoregressive output only with it."""
+        if not isinstance(max_rows, int) or max_rows < 0:
+            raise ValueError(f"max_rows must be an integer >= 0, got {max_rows!r}")
+        self.linear_policy.max_rows = max_rows
 
     def _invalidate_fast_path(self) -> None:
         self._prepared = False
@@ -611,11 +598,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activation dtype (quantized weights keep their own)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def set_attention_fp32(self, enabled: bool) -> None:
         """bf16/fp16 models compute attention in float32 by default (see LlamaAttention.forward);
@@ -632,7 +620,9 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.attn_backend = backend
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # a quantized head / embedding already shares one quantized matrix (quant.quantize_model_)
+        if self.config.tie_word_embeddings and not isinstance(self.lm_head, QuantLinear) \
+                and not isinstance(self.model.embed_tokens, QuantEmbedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
@@ -682,5 +672,5 @@ class LlamaForCausalLM(nn.Module):
             x = x.index_select(0, logits_indices)
         norm = self.model.norm
         h = rms_norm(x, norm.weight, norm.eps)  # [L, hidden]
-        logits = self.lm_head(h).float()  # [L, V]
+        logits = self._lm_head(h).float()  # [L, V]
         return logits, (h if return_hidden else None)

@@ -13,6 +13,7 @@ import torch
 
 from specrt.models.config import ModelConfig
 from specrt.models.llama import LlamaForCausalLM
+from specrt.models.quant import KINDS as QUANT_KINDS, install_int8_, quantize_model_, take_int8_
 from specrt.models.tokenizer import Tokenizer, _read_json, load_tokenizer
 
 __all__ = ["load_model", "load_tokenizer", "load_generation_config", "check_draft_compatible",
@@ -102,7 +103,7 @@ def _read_safetensors(files: list[Path], device, select=None) -> dict[str, torch
 
 def _dequantize_int8(state: dict[str, torch.Tensor]) -> None:
     """specrt.models.quant checkpoints: int8 ``<name>.weight`` + float ``<name>.weight_scale`` [out]
-    -> float weights (W = q * scale[:, None]); the runtime itself computes in float."""
+    -> float weights (W = q * scale[:, None]); only for tensor-parallel shards (else they stay int8)."""
     for key in [k for k in state if k.endswith(".weight_scale")]:
         wkey = key[: -len("_scale")]
         q, scale = state.get(wkey), state.pop(key)
@@ -112,7 +113,8 @@ def _dequantize_int8(state: dict[str, torch.Tensor]) -> None:
         state[wkey] = q.float() * scale.float()[:, None]
 
 
-def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> LlamaForCausalLM:
+def load_model(path, dtype=None, device="cpu", tp: tuple | None = None,
+               quantize: str | None = None) -> LlamaForCausalLM:
     """Load a Llama / Qwen2 / Mistral checkpoint from a local folder (config.json + safetensors).
 
     dtype: None (float32), "auto" (the checkpoint's torch_dtype), a name or a torch.dtype.
@@ -120,8 +122,15 @@ def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> Llama
     just those slices of the files) into a model sharded by specrt.models.tp.
     Raises ValueError with a clear message for a missing folder/config/weights, corrupt
     files, unsupported architecture, missing/mis-shaped tensors, or a dtype the device can't run.
-    int8 weight-only checkpoints (specrt.models.quant) are dequantised to ``dtype`` on load.
+    quantize: None, or "int8" / "q8_0" / "q4_0" / "q4_1": every projection, the LM head and the
+    embeddings become weight-only quantized layers that stay quantized (specrt.models.quant);
+    activations keep ``dtype``. int8 weight-only checkpoints (specrt.models.quant) load as int8
+    layers (dequantized to ``dtype`` only for tensor-parallel shards).
     """
+    if quantize is not None and quantize not in QUANT_KINDS:
+        raise ValueError(f"quantize must be one of {QUANT_KINDS} or None, got {quantize!r}")
+    if quantize is not None and tp is not None and tp[1] > 1:
+        raise ValueError("quantize is not supported with tensor parallelism")
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"model folder not found: {folder}")
@@ -140,8 +149,11 @@ def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> Llama
         select = shard_selector(config, rank, world_size)
     state = _read_safetensors(files, "cpu", select)
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
+    int8 = take_int8_(state) if select is None else {}  # stays int8 (TP shards are widened below)
     _dequantize_int8(state)
     expected = dict(model.named_parameters(remove_duplicate=False))
+    for name in int8:
+        expected.pop(f"{name}.weight", None)
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)  # transformers ignores it too when tied
@@ -161,6 +173,9 @@ def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> Llama
         state[k] = state[k].to(device=device, dtype=torch_dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    install_int8_(model, int8, device)
+    if quantize is not None:
+        quantize_model_(model, quantize)
     model.eval()
     model.requires_grad_(False)
     model.prepare()  # fuse q/k/v and gate/up (the fused tensors ARE the parameters' storage: no extra memory)
