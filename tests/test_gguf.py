@@ -283,6 +283,23 @@ def test_convert_writes_a_folder_specrt_and_transformers_load(tmp_path, builtin_
     assert load_config(bf16).torch_dtype == "bfloat16" and load_model(bf16, dtype="auto").dtype == torch.bfloat16
 
 
+def test_tensor_parallel_shards_equal_the_converted_folders(tmp_path, tiny):
+    """load_model(tp=...) reads a GGUF through the same shard selector as safetensors."""
+    from specrt.models.loader import _read_safetensors
+    from specrt.models.tp import shard_selector
+
+    path, _ = tiny("llama", "mixed")
+    out = convert_gguf(path, tmp_path / "hf")
+    cfg = load_config(path)
+    for rank in range(2):
+        select = shard_selector(cfg, rank, 2)
+        ours = open_gguf(path).state_dict(select=select)
+        ref = _read_safetensors([out / "model.safetensors"], "cpu", select)
+        assert ours.keys() - {"lm_head.weight"} == ref.keys() - {"lm_head.weight"}
+        assert all(torch.equal(ref[k], ours[k]) for k in ref), rank
+        assert ours["model.layers.0.mlp.down_proj.weight"].shape == (64, 48)
+
+
 def test_resolve_model(tmp_path, builtin_gguf, monkeypatch):
     path, _ = builtin_gguf
     assert resolve_model("builtin", "target") == BUILTIN_TARGET

@@ -237,6 +237,10 @@ class GGUFModel:
             out["pad_token_id"] = int(pad)
         return out
 
+    @property
+    def has_tokenizer(self) -> bool:
+        return "tokenizer.ggml.tokens" in self.reader.fields
+
     def tokenizer(self):
         """(tokenizers.Tokenizer, tokenizer_config dict with the chat template and special tokens)."""
         return build_tokenizer(self)
@@ -323,7 +327,7 @@ def open_gguf(path) -> GGUFModel:
 def convert_gguf(src, out_dir, dtype: torch.dtype = torch.float32, overwrite: bool = False) -> Path:
     """Write a GGUF file as a Hugging Face folder that specrt and transformers both load:
     config.json, model.safetensors (``dtype``), tokenizer.json, tokenizer_config.json (with the
-    chat template), generation_config.json. Returns the folder."""
+    chat template; both only if the file has a tokenizer), generation_config.json. Returns the folder."""
     import json
 
     from safetensors.torch import save_file
@@ -338,15 +342,17 @@ def convert_gguf(src, out_dir, dtype: torch.dtype = torch.float32, overwrite: bo
         raise ValueError(f"output folder {out} already holds a model (config.json); choose another or overwrite")
     config = model.hf_config()
     config["torch_dtype"] = str(dtype).replace("torch.", "")
-    tok, tok_config = model.tokenizer()
+    tok, tok_config = model.tokenizer() if model.has_tokenizer else (None, None)
     state = model.state_dict(dtype)
     if config["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt", "source": model.path.name})
-    tok.save(str(out / "tokenizer.json"))
+    if tok is not None:
+        tok.save(str(out / "tokenizer.json"))
     for name, data in (("config.json", config), ("tokenizer_config.json", tok_config),
                        ("generation_config.json", model.generation_config())):
-        (out / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        if data is not None:
+            (out / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out
