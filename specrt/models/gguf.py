@@ -298,7 +298,11 @@ class GGUFModel:
     def state_dict(self, dtype: torch.dtype = torch.float32, keep_blocks: bool = False,
                    select=None) -> dict[str, Any]:
         """Every tensor by HF name, float ``dtype``; ``keep_blocks`` keeps Q8_0/Q4_0/Q4_1 matrices as
-        QuantBlocks. ``select(name, lazy_slice)`` (tensor parallelism) picks this rank's part."""
+        QuantBlocks (the embedding stays float for its row lookup: a tied lm_head can take
+        ``blocks("model.embed_tokens.weight")``). ``select(name, lazy_slice)`` (tensor parallelism)
+        picks this rank's part of each float tensor."""
+        if keep_blocks and select is not None:
+            raise ValueError("keep_blocks and select (tensor-parallel shards) cannot be combined")
         out: dict[str, Any] = {}
         for name in self.hf_names:
             if keep_blocks and self.tensor_kind(name) in BLOCK_KINDS and name != "model.embed_tokens.weight":
