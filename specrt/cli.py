@@ -1,9 +1,10 @@
-"""`specrt demo | serve | bench | distill | train` — the command line.
+"""`specrt demo | serve | bench | distill | train | convert` — the command line.
 
     specrt demo                       # built-in pair: autoregressive vs speculative, same run
     specrt serve --target-model builtin --draft-model builtin --speculative-decoding
     specrt bench --quick [--out DIR]  # end-to-end benchmark report
     specrt distill ...                # draft-model tools (layer-init, distillation, acceptance head)
+    specrt convert model.gguf OUT_DIR # a GGUF file (or smollm2-135m) as a Hugging Face folder
 """
 from __future__ import annotations
 
@@ -109,6 +110,34 @@ def demo(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def convert(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specrt convert", description="Write a GGUF model as a Hugging Face folder "
+                                "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the "
+                                "chat template, generation_config.json) that specrt and transformers load.")
+    p.add_argument("source", help="a .gguf file, or a model name such as smollm2-135m")
+    p.add_argument("out_dir", help="output folder (created)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (float32 keeps the dequantized values exactly)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from specrt.models import convert_gguf, is_gguf, resolve_model
+
+    try:
+        src = resolve_model(args.source, "target")
+        if not is_gguf(src):
+            raise ValueError(f"{src} is not a GGUF file (it is already a model folder)")
+        t0 = time.perf_counter()
+        out = convert_gguf(src, args.out_dir, getattr(torch, args.dtype), overwrite=args.overwrite)
+    except ValueError as e:
+        print(f"specrt convert: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.dtype}) from {src} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
@@ -117,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": lambda a: __import__("specrt.benchmarks", fromlist=["main"]).main(a),
         "distill": lambda a: __import__("specrt.training.distill", fromlist=["main"]).main(a),
         "train": lambda a: __import__("specrt.training.recipe", fromlist=["main"]).main(a),
+        "convert": convert,
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())

@@ -1,4 +1,4 @@
-"""Where the engine's models come from: ``"builtin"`` or a local folder, and the loader hook.
+"""Where the engine's models come from ("builtin", a name, a folder or a .gguf file) and the loader hook.
 
 A model loader is any ``loader(path, role, dtype, device) -> LlamaForCausalLM`` (role is
 "target" or "draft"); the engine takes one as a constructor argument, so tensor parallelism
@@ -12,25 +12,17 @@ from typing import Callable
 
 import torch
 
-from specrt.models import ModelConfig, load_model
-from specrt.models.loader import resolve_dtype
-
-BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
+from specrt.models import load_model
+from specrt.models.loader import load_config, resolve_dtype
+from specrt.models.registry import BUILTIN_DIR, resolve_model
 
 ModelLoader = Callable[[Path, str, torch.dtype, torch.device], object]
 
 
 def resolve_model_path(path: str | Path, role: str) -> Path:
-    """The folder of ``path`` ("builtin" = the bundled model of this role); ValueError if missing."""
-    if str(path) == "builtin":
-        p = BUILTIN_DIR / role
-        if not (p / "config.json").is_file():
-            raise ValueError(f"the built-in {role} model is missing from this install ({p})")
-        return p
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ValueError(f"{role} model folder not found: {p}")
-    return p
+    """The local source of ``path``: "builtin" (the bundled model of this role), a known name
+    (e.g. "smollm2-135m"), a model folder or a .gguf file; ValueError if missing."""
+    return resolve_model(path, role)
 
 
 def default_loader(path: Path, role: str, dtype: torch.dtype, device: torch.device):
@@ -42,4 +34,4 @@ def resolve_engine_dtype(dtype, device: torch.device, target_path: Path) -> torc
     """None: bfloat16 on CUDA, float32 elsewhere; "auto": the checkpoint's; a torch dtype or its name."""
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return resolve_dtype(dtype, ModelConfig.from_json(target_path / "config.json"))
+    return resolve_dtype(dtype, load_config(target_path))

@@ -587,3 +587,27 @@ def test_draft_with_different_vocabulary(tmp_path, ckpt):
     make_checkpoint(other, "llama", vocab_size=VOCAB + 32)
     with pytest.raises(ValueError, match=f"vocab_size: target {VOCAB} != draft {VOCAB + 32}"):
         check_draft_compatible(ckpt("llama")[2], load_model(other))
+
+
+def test_chat_template_jinja_file_as_transformers_5_saves_it(tmp_path):
+    """transformers>=5 writes the template to chat_template.jinja (not tokenizer_config.json); the
+    file wins over a tokenizer_config.json template, and named extra templates are kept."""
+    _write_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="no chat_template"):
+        load_tokenizer(tmp_path).apply_chat_template(msgs)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}", encoding="utf-8")
+    assert load_tokenizer(tmp_path).apply_chat_template(msgs) == "[user] hi\n[assistant] "
+    cfg["chat_template"] = "{{ 'from tokenizer_config' }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(tmp_path).apply_chat_template(msgs) == "[user] hi\n[assistant] "
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'tools' }}")
+    tok = load_tokenizer(tmp_path)
+    assert [t["name"] for t in tok.tokenizer_config["chat_template"]] == ["default", "tool_use"]
+    assert tok.apply_chat_template(msgs) == "[user] hi\n[assistant] "
