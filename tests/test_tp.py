@@ -183,7 +183,7 @@ def test_tp_startup_failure_cleans_up(pair, tmp_path):
     import torch.distributed as dist
 
     tdir, _ = pair
-    with pytest.raises(ValueError, match="draft model folder not found"):
+    with pytest.raises(ValueError, match="draft model not found"):
         TPEngine(tdir, tmp_path / "no-such-draft", SpecConfig(), "cpu", tensor_parallel_size=2, timeout_s=30)
     assert not multiprocessing.active_children()   # the spawned worker was stopped
     assert not dist.is_initialized()                # and the process group torn down: a new engine can start
