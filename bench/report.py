@@ -20,6 +20,16 @@ def fmt(x, nd=2) -> str:
     return "n/a"
 
 
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table: header, separator, one line per row."""
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _yes(ok, no: str = "NO") -> str:
+    return "yes" if ok else no
+
+
 def headline_table(res: dict) -> str:
     """The few numbers that matter, as a markdown table (top of report.md, bench/README.md)."""
     L = ["| measurement | result |", "|---|---|"]
@@ -79,65 +89,52 @@ def _costs_md(c: dict) -> list[str]:
 
 def _categories_md(cats: dict) -> list[str]:
     """Speedup per prompt category."""
-    L = ["## Speedup per prompt category", "",
-         "theory = tau / (1 + c*K + v) with c, v measured above and K the mean draft length; "
-         "frac = measured speedup / theory. engine c/v: the same quantities as the engine timed "
-         "them inside the runs (including host overhead).", "",
-         "| category | drafter | tokens/s | speedup | tau | mean acc. len | acc. per position (cumulative) | theory | frac "
-         "| engine c | engine v | = AR |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for cat in CATEGORIES:
-        for d, v in cats[cat].items():
-            acc = " ".join(fmt(a) for a in v["acceptance_rate_per_position"])
-            L.append(f"| {cat} | {d} | {fmt(v['tokens_per_s'], 1)} | {fmt(v['speedup'])} | {fmt(v['tau'])} | "
-                     f"{fmt(v['mean_accepted_length'])} | {acc} | {fmt(v.get('theoretical_speedup'))} | "
-                     f"{fmt(v.get('fraction_of_theoretical'))} | {fmt(v.get('engine_c'))} | "
-                     f"{fmt(v.get('engine_v'))} | {'yes' if v['identical_to_ar'] else 'NO'} |")
-    L.append("")
-    return L
+    rows = [[cat, d, fmt(v["tokens_per_s"], 1), fmt(v["speedup"]), fmt(v["tau"]), fmt(v["mean_accepted_length"]),
+             " ".join(fmt(a) for a in v["acceptance_rate_per_position"]), fmt(v.get("theoretical_speedup")),
+             fmt(v.get("fraction_of_theoretical")), fmt(v.get("engine_c")), fmt(v.get("engine_v")),
+             _yes(v["identical_to_ar"])]
+            for cat in CATEGORIES for d, v in cats[cat].items()]
+    return (["## Speedup per prompt category", "",
+             "theory = tau / (1 + c*K + v) with c, v measured above and K the mean draft length; "
+             "frac = measured speedup / theory. engine c/v: the same quantities as the engine timed "
+             "them inside the runs (including host overhead).", ""]
+            + md_table(["category", "drafter", "tokens/s", "speedup", "tau", "mean acc. len",
+                        "acc. per position (cumulative)", "theory", "frac", "engine c", "engine v", "= AR"], rows)
+            + [""])
 
 
 def _k_sweep_md(ks: dict) -> list[str]:
     """Fixed K vs the dynamic policies; expected accepted drafts."""
-    L = [f"## Fixed K vs dynamic policies ({ks['drafter']} drafter)", "",
-         "| mode | tokens/s | speedup | mean K | tau | = AR |", "|---|---|---|---|---|---|"]
-    for name, v in ks["modes"].items():
-        L.append(f"| {name} | {fmt(v['tokens_per_s'], 1)} | {fmt(v['speedup'])} | "
-                 f"{fmt(v['drafted_tokens_per_step'])} | {fmt(v['tau'])} | "
-                 f"{'yes' if v.get('identical_to_ar') else 'NO'} |")
+    L = [f"## Fixed K vs dynamic policies ({ks['drafter']} drafter)", ""]
+    L += md_table(["mode", "tokens/s", "speedup", "mean K", "tau", "= AR"],
+                  [[name, fmt(v["tokens_per_s"], 1), fmt(v["speedup"]), fmt(v["drafted_tokens_per_step"]),
+                    fmt(v["tau"]), _yes(v.get("identical_to_ar"))] for name, v in ks["modes"].items()])
     L += ["", f"Best fixed K = {ks['best_fixed_k']} ({fmt(ks['best_fixed_speedup'])}x). Gain of each dynamic "
               f"policy over it (published state of the art for learned adaptive length: +7 to +11%):", ""]
-    for p, v in ks["policies"].items():
-        L.append(f"- {p}: {fmt(v['speedup'])}x, {v['gain_over_best_fixed'] * 100:+.1f}% (mean K "
-                 f"{fmt(v['mean_draft_length'])})")
-    for p, why in ks["skipped"].items():
-        L.append(f"- {p}: not run ({why})")
+    L += [f"- {p}: {fmt(v['speedup'])}x, {v['gain_over_best_fixed'] * 100:+.1f}% (mean K {fmt(v['mean_draft_length'])})"
+          for p, v in ks["policies"].items()]
+    L += [f"- {p}: not run ({why})" for p, why in ks["skipped"].items()]
     cond = ks.get("conditional_acceptance_at_kmax") or []
     L += ["", f"Expected accepted drafts per step: E = sum_(i=1..K) r^i with r = {fmt(ks['r'])} (first-position "
               "acceptance at the smallest K), and the sum of the first K survival rates measured at the largest "
               "K (the engine's per-position acceptance with a fixed K is P(drafts 0..i all accepted)). Conditional "
               "acceptance per position at the largest K, P(i accepted | 0..i-1 accepted): "
-              + " ".join(fmt(c) for c in cond) + ".", "",
-          "| K | measured | sum r^i | sum of measured survival rates |", "|---|---|---|---|"]
-    for k, v in ks["expected_accepted"].items():
-        L.append(f"| {k} | {fmt(v['measured'])} | {fmt(v['formula_iid'])} | {fmt(v['formula_per_position'])} |")
-    L.append("")
-    return L
+              + " ".join(fmt(c) for c in cond) + ".", ""]
+    L += md_table(["K", "measured", "sum r^i", "sum of measured survival rates"],
+                  [[str(k), fmt(v["measured"]), fmt(v["formula_iid"]), fmt(v["formula_per_position"])]
+                   for k, v in ks["expected_accepted"].items()])
+    return L + [""]
 
 
 def _temperature_md(tp: dict) -> list[str]:
     """Temperature: rejection sampling and coupled acceptance."""
-    L = [f"## Temperature ({tp['drafter']} drafter, K={tp['draft_length']})", "",
-         "| T | acceptance | tokens/s AR | speedup | tau | acc. per position | = AR |", "|---|---|---|---|---|---|---|"]
-    for t, r in tp["by_temperature"].items():
-        for acc in ("rejection", "coupled"):
-            v = r[acc]
-            L.append(f"| {t} | {acc} | {fmt(r['ar']['tokens_per_s'], 1)} | {fmt(v['speedup'])} | {fmt(v['tau'])} | "
-                     f"{' '.join(fmt(a) for a in v['acceptance_rate_per_position'])} | "
-                     f"{'yes' if v['identical_to_ar'] else 'no'} |")
-    L += ["", "Token identity with AR is guaranteed for greedy and for coupled acceptance; rejection "
-              "sampling at T>0 is exact in distribution only.", ""]
-    return L
+    rows = [[t, acc, fmt(r["ar"]["tokens_per_s"], 1), fmt(r[acc]["speedup"]), fmt(r[acc]["tau"]),
+             " ".join(fmt(a) for a in r[acc]["acceptance_rate_per_position"]), _yes(r[acc]["identical_to_ar"], "no")]
+            for t, r in tp["by_temperature"].items() for acc in ("rejection", "coupled")]
+    return ([f"## Temperature ({tp['drafter']} drafter, K={tp['draft_length']})", ""]
+            + md_table(["T", "acceptance", "tokens/s AR", "speedup", "tau", "acc. per position", "= AR"], rows)
+            + ["", "Token identity with AR is guaranteed for greedy and for coupled acceptance; rejection "
+                   "sampling at T>0 is exact in distribution only.", ""])
 
 
 def _batch_md(bt: dict) -> list[str]:
@@ -199,39 +196,31 @@ def _batch_md(bt: dict) -> list[str]:
 
 def _misaligned_md(mis: dict) -> list[str]:
     """Misaligned draft sampling."""
-    L = [f"## Misaligned draft sampling ({mis['drafter']} drafter, K={mis['draft_length']})", "",
-         "A benchmark-only drafter hook samples the DRAFT with other parameters than the target. The "
-         "output stays exact (verification uses the q the draft really sampled from); what is lost is "
-         "acceptance, which the engine's single shared transform protects.", "",
-         "| case | mode | speedup | tau | acc. per position |", "|---|---|---|---|---|"]
-    for name, r in mis["cases"].items():
-        for mode in ("aligned", "misaligned"):
-            v = r[mode]
-            L.append(f"| {name} | {mode} | {fmt(v['speedup'])} | {fmt(v['tau'])} | "
-                     f"{' '.join(fmt(a) for a in v['acceptance_rate_per_position'])} |")
-    L.append("")
-    return L
+    rows = [[name, mode, fmt(r[mode]["speedup"]), fmt(r[mode]["tau"]),
+             " ".join(fmt(a) for a in r[mode]["acceptance_rate_per_position"])]
+            for name, r in mis["cases"].items() for mode in ("aligned", "misaligned")]
+    return ([f"## Misaligned draft sampling ({mis['drafter']} drafter, K={mis['draft_length']})", "",
+             "A benchmark-only drafter hook samples the DRAFT with other parameters than the target. The "
+             "output stays exact (verification uses the q the draft really sampled from); what is lost is "
+             "acceptance, which the engine's single shared transform protects.", ""]
+            + md_table(["case", "mode", "speedup", "tau", "acc. per position"], rows) + [""])
 
 
 def _peer_md(pr: dict) -> list[str]:
     """The transformers peer comparison."""
     L = ["## Peer: Hugging Face transformers (same weights, same prompts, greedy, batch 1)", ""]
     if "skipped" in pr:
-        L += [f"Skipped: {pr['skipped']}", ""]
-    else:
-        L += [f"transformers {pr['transformers_version']}, assisted generation with "
-              f"num_assistant_tokens={pr['draft_length']} (constant schedule).", "",
-              "| mode | tokens/s | speedup over specrt AR |", "|---|---|---|"]
-        for name, v in pr["modes"].items():
-            L.append(f"| {name} | {fmt(v['tokens_per_s'], 1)} | {fmt(v['speedup'])} |")
-        idn = pr["identity"]
-        L += ["", f"specrt speculative / HF assisted tokens/s: **{fmt(pr['ratio_spec_vs_hf_assisted'])}x**; "
-                  f"specrt AR / HF greedy: {fmt(pr['ratio_ar_vs_hf_greedy'])}x; HF assisted over HF greedy: "
-                  f"{fmt(pr['hf_assisted_speedup_over_hf_greedy'])}x.", "",
-              "Token identity (identical sequences / mean common-prefix fraction): " + "; ".join(
-                  f"{k}: {v['identical_sequences']}/{v['of']}, {fmt(v['mean_common_prefix_fraction'])}"
-                  for k, v in idn.items()) + ".", ""]
-    return L
+        return L + [f"Skipped: {pr['skipped']}", ""]
+    L += [f"transformers {pr['transformers_version']}, assisted generation with "
+          f"num_assistant_tokens={pr['draft_length']} (constant schedule).", ""]
+    L += md_table(["mode", "tokens/s", "speedup over specrt AR"],
+                  [[name, fmt(v["tokens_per_s"], 1), fmt(v["speedup"])] for name, v in pr["modes"].items()])
+    return L + ["", f"specrt speculative / HF assisted tokens/s: **{fmt(pr['ratio_spec_vs_hf_assisted'])}x**; "
+                    f"specrt AR / HF greedy: {fmt(pr['ratio_ar_vs_hf_greedy'])}x; HF assisted over HF greedy: "
+                    f"{fmt(pr['hf_assisted_speedup_over_hf_greedy'])}x.", "",
+                "Token identity (identical sequences / mean common-prefix fraction): " + "; ".join(
+                    f"{k}: {v['identical_sequences']}/{v['of']}, {fmt(v['mean_common_prefix_fraction'])}"
+                    for k, v in pr["identity"].items()) + ".", ""]
 
 
 def _header_md(res: dict) -> list[str]:
