@@ -130,3 +130,26 @@ def test_median_interval_order_statistics():
         lo, hi, _ = median_interval([rng.expovariate(1.0) for _ in range(15)])
         hits += lo <= math.log(2) <= hi
     assert 0.94 <= hits / 2000 <= 0.99
+
+
+def test_specrt_bench_dispatches_to_the_bench_package(capsys):
+    from specrt import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    assert "usage: specrt bench" in capsys.readouterr().out
+
+
+def test_specrt_bench_outside_a_checkout_says_how_to_run_it(tmp_path):
+    """An installed specrt without the repository's bench/ package: a clear message, exit code 2."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "specrt", tmp_path / "specrt", ignore=shutil.ignore_patterns("builtin", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "specrt.cli", "bench", "--quick"], cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "source checkout" in proc.stderr and "python -m bench --quick" in proc.stderr
