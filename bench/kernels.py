@@ -2,8 +2,8 @@
 
 For every op and shape it times, interleaved round by round (medians),
   ours      the specrt op (value checks off: the kernel itself),
-  torch     a fair VECTORISED torch implementation of the same op, written below the
-            way production torch samplers do it (batched argmax, torch.rand coins +
+  torch     a fair VECTORISED torch implementation of the same op (bench/kernel_baselines.py),
+            the way production torch samplers do it (batched argmax, torch.rand coins +
             exponential-race residual sampling, topk/sort for top-k/top-p,
             index_copy for the KV cache),
   baseline  the straightforward torch version where it differs (issue 18):
@@ -25,6 +25,11 @@ Usage:
   python bench/kernels.py                 # full grid on the default device (cuda if available)
   python bench/kernels.py --quick         # small grid, 1 and 2 threads: a couple of minutes on a CPU
   python bench/kernels.py --device cpu --threads 1,2 --out bench/results/kernels-cpu.json
+  python -m bench.kernels --quick --no-attention   # the same, as a module of the bench package
+
+The "attention" section (last; --no-attention skips it) runs bench/attention.py's verify-step
+attention, the paged kernel vs the gather + SDPA path at SmolLM2's shapes, with its goal
+(>= 2x), into the same output and JSON.
 """
 from __future__ import annotations
 
@@ -42,135 +47,11 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.kernel_baselines import (baseline_rejection_sample, baseline_sample_tokens,  # noqa: E402
+                                    torch_copy_blocks, torch_coupled, torch_probs_from_logits,
+                                    torch_rejection_sample, torch_sample_tokens, torch_verify_greedy,
+                                    torch_write_kv)
 from specrt import ops, reference  # noqa: E402
-
-
-# --------------------------------------------------------------------------- #
-# Fair vectorised torch baselines (same contracts, torch-native randomness)
-# --------------------------------------------------------------------------- #
-def torch_probs_from_logits(logits, temperature, top_k, top_p):
-    """[N, V] -> [N, V]: temperature, top-k (kth value, ties kept), softmax, top-p (sort + cumsum)."""
-    x = torch.nan_to_num(logits.float(), nan=float("-inf"))
-    greedy = temperature == 0
-    x = x / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    v = x.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < v), top_k, torch.full_like(top_k, v)).long()
-    kmax = int(k.max()) if x.device.type == "cpu" else v   # on a GPU: no sync, full sort instead
-    if kmax < v:
-        top_vals = torch.topk(x, kmax, dim=-1).values
-    else:
-        top_vals = torch.sort(x, dim=-1, descending=True).values
-    kth = top_vals.gather(-1, (k - 1).clamp(max=top_vals.shape[-1] - 1)[:, None])
-    x = torch.where(x >= kth, x, torch.full_like(x, float("-inf")))
-    p = torch.softmax(x, dim=-1)
-    sorted_p, _ = torch.sort(p, dim=-1, descending=True)
-    csum = torch.cumsum(sorted_p, dim=-1)
-    cut_idx = torch.searchsorted(csum, top_p[:, None].contiguous()).clamp(max=v - 1)
-    cut = sorted_p.gather(-1, cut_idx)
-    p = torch.where((p >= cut) | (top_p[:, None] >= 1.0), p, torch.zeros_like(p))
-    p = p / p.sum(-1, keepdim=True)
-    one_hot = torch.nn.functional.one_hot(x.argmax(-1), v).float()
-    return torch.where(greedy[:, None], one_hot, p)
-
-
-def _accept_prefix(match: torch.Tensor, num_draft_tokens: torch.Tensor) -> torch.Tensor:
-    """[B, K] bool -> num_accepted [B]: length of the all-True prefix within num_draft_tokens."""
-    k = match.shape[1]
-    valid = torch.arange(k, device=match.device)[None, :] < num_draft_tokens[:, None]
-    return torch.cumprod((match & valid).int(), dim=1).sum(1)
-
-
-def _emit(draft_token_ids, num_accepted, final_tokens):
-    """out[b, :n] = drafts, out[b, n] = final_tokens[b], -1 after."""
-    b, k = draft_token_ids.shape
-    pos = torch.arange(k + 1, device=draft_token_ids.device)[None, :]
-    drafts = torch.cat([draft_token_ids, torch.full_like(draft_token_ids[:, :1], -1)], dim=1)
-    out = torch.where(pos < num_accepted[:, None], drafts, torch.full_like(drafts, -1))
-    return torch.where(pos == num_accepted[:, None], final_tokens[:, None].int(), out), num_accepted.int()
-
-
-def torch_verify_greedy(target_logits, draft_token_ids, num_draft_tokens):
-    best = torch.nan_to_num(target_logits, nan=float("-inf")).argmax(-1)   # [B, K+1]
-    k = draft_token_ids.shape[1]
-    n = _accept_prefix(draft_token_ids.long() == best[:, :k], num_draft_tokens)
-    return _emit(draft_token_ids, n, best.gather(1, n[:, None].long())[:, 0])
-
-
-def torch_rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens):
-    """vLLM-style: torch.rand coins, residual race with exponential noise at every position."""
-    b, k1, v = target_probs.shape
-    k = k1 - 1
-    ids = draft_token_ids.long().clamp(min=0)
-    p_x = target_probs[:, :k].gather(-1, ids[..., None])[..., 0]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-        q = torch.zeros_like(target_probs[:, :k]).scatter_(-1, ids[..., None], 1.0)
-    else:
-        q_x = draft_probs.gather(-1, ids[..., None])[..., 0]
-        q = draft_probs
-    u = torch.rand_like(p_x)
-    n = _accept_prefix(u * q_x < p_x, num_draft_tokens)
-    residual = torch.cat([(target_probs[:, :k] - q).clamp_(min=0), target_probs[:, k:]], dim=1)
-    rows = residual.gather(1, n.long()[:, None, None].expand(b, 1, v))[:, 0]          # [B, V]
-    p_rows = target_probs.gather(1, n.long()[:, None, None].expand(b, 1, v))[:, 0]
-    rejected = n < num_draft_tokens
-    empty = rows.sum(-1) == 0
-    rows = torch.where((rejected & ~empty)[:, None], rows, p_rows)
-    noise = torch.empty_like(rows).exponential_()
-    return _emit(draft_token_ids, n, (rows / noise).argmax(-1))
-
-
-def torch_coupled(target_probs, draft_token_ids, num_draft_tokens):
-    noise = torch.empty_like(target_probs).exponential_()
-    winners = (target_probs / noise).argmax(-1)                                        # [B, K+1]
-    k = draft_token_ids.shape[1]
-    n = _accept_prefix(draft_token_ids.long() == winners[:, :k], num_draft_tokens)
-    return _emit(draft_token_ids, n, winners.gather(1, n[:, None].long())[:, 0])
-
-
-def torch_sample_tokens(probs):
-    return (probs / torch.empty_like(probs).exponential_()).argmax(-1).int()
-
-
-def baseline_rejection_sample(target_probs, draft_probs, draft_token_ids, num_draft_tokens):
-    """The straightforward torch version: gather p and q at the drafted ids, one uniform per
-    position for the accept test, torch.multinomial on the normalised residual (p_n after
-    accepting everything; p when the residual is all zero)."""
-    b, k1, v = target_probs.shape
-    k = k1 - 1
-    ids = draft_token_ids.long().clamp(min=0)
-    p_x = target_probs[:, :k].gather(-1, ids[..., None])[..., 0]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, ids[..., None])[..., 0]
-    n = _accept_prefix(torch.rand_like(p_x) * q_x < p_x, num_draft_tokens).long()   # [B]
-    rows = torch.arange(b, device=target_probs.device)
-    p_row = target_probs[rows, n]                                                        # [B, V]
-    at = n.clamp(max=max(k - 1, 0))
-    if draft_probs is None:
-        q_row = torch.zeros_like(p_row).scatter_(-1, ids[rows, at][:, None], 1.0)
-    else:
-        q_row = draft_probs[rows, at]
-    residual = torch.where((n < num_draft_tokens)[:, None], (p_row - q_row).clamp_(min=0), p_row)
-    total = residual.sum(-1, keepdim=True)
-    residual = torch.where(total > 0, residual / total, p_row)
-    return _emit(draft_token_ids, n, torch.multinomial(residual, 1)[:, 0])
-
-
-def baseline_sample_tokens(probs):
-    return torch.multinomial(probs, 1)[:, 0].int()
-
-
-def torch_copy_blocks(caches, src, dst):
-    for cache in caches:
-        cache.index_copy_(2, dst, cache.index_select(2, src))
-
-
-def torch_write_kv(cache, layer, k, v, slots):
-    bs = cache.shape[3]
-    flat_k = cache[layer, 0].view(-1, *cache.shape[4:])
-    flat_v = cache[layer, 1].view(-1, *cache.shape[4:])
-    flat_k.index_copy_(0, slots, k)
-    flat_v.index_copy_(0, slots, v)
-    del bs
 
 
 # --------------------------------------------------------------------------- #
@@ -283,92 +164,98 @@ def make_spec_inputs(b, k, v, device, g):
     return logits, target, draft, ids.contiguous(), nd, seeds, pos
 
 
-def bench_all(device: str, quick: bool, reps: int, oracle: bool, floor: MemoryFloor,
-              threads: int | None = None) -> list[Row]:
-    g = torch.Generator(device=device).manual_seed(0)
-    rows: list[Row] = []
-    if quick:
-        grid = [(1, 4, 32000), (8, 4, 32000), (8, 4, 128256)]
-    else:
-        grid = [(b, k, v) for v in (32000, 128256) for k in (4, 8) for b in (1, 8, 64)]
-    sync = (lambda: torch.cuda.synchronize()) if device == "cuda" else (lambda: None)
-    budget = (0.4 if quick else 1.5) if device == "cpu" else 0.5
+class Bencher:
+    """Times contestants of one op and shape in alternation and records a Row per call."""
 
-    def add(op, b, k, v, ours, base, floor_bytes, baseline=None, oracle_fn=None, **extra):
+    def __init__(self, device: str, quick: bool, reps: int, floor: MemoryFloor, threads: int | None):
+        self.device, self.reps, self.floor, self.threads = device, reps, floor, threads
+        self.budget = (0.4 if quick else 1.5) if device == "cpu" else 0.5
+        self.rows: list[Row] = []
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def add(self, op, b, k, v, ours, base, floor_bytes, baseline=None, oracle_fn=None, **extra) -> Row:
         fns = {"ours": ours, "torch": base}
         if baseline is not None:
             fns["baseline"] = baseline
-        ms = time_paired(fns, device, reps, budget_s=budget)
+        ms = time_paired(fns, self.device, self.reps, budget_s=self.budget)
         o, t = ms["ours"], ms["torch"]
         bl = ms.get("baseline", t if op == "probs_from_logits" else None)
         orc = None
         if oracle_fn is not None:
             t0 = time.perf_counter()
             oracle_fn()
-            sync()
+            self.sync()
             orc = (time.perf_counter() - t0) * 1e3
         gbs = floor_bytes / (o * 1e-3) / 1e9
-        pct = 100.0 * gbs / floor.big_gbs if device == "cuda" else None
-        fl = floor.ms(floor_bytes)
+        pct = 100.0 * gbs / self.floor.big_gbs if self.device == "cuda" else None
+        fl = self.floor.ms(floor_bytes)
         r = Row(op, b, k, v, o, t, t / o, orc, floor_bytes, gbs, pct, bl, None if bl is None else bl / o,
-                fl, o / fl, threads, extra)
-        rows.append(r)
+                fl, o / fl, self.threads, extra)
+        self.rows.append(r)
         print(fmt_row(r), flush=True)
+        return r
 
-    print(header(threads), flush=True)
-    for b, k, v in grid:
-        logits, target, draft, ids, nd, seeds, pos = make_spec_inputs(b, k, v, device, g)
-        cheap_oracle = oracle and b * v <= 8 * 32000 and device == "cpu"
-        on_cpu = lambda *ts: [None if x is None else x.cpu() for x in ts]   # noqa: E731
-        nrows = b * (k + 1)
-        flat_logits = logits.reshape(nrows, v)
-        temp = torch.full((nrows,), 0.8, device=device)
-        temp[::5] = 0.0
-        topk = torch.full((nrows,), 50, dtype=torch.int32, device=device)
-        topk[1::3] = 0
-        topp = torch.full((nrows,), 0.9, device=device)
-        topp[2::3] = 1.0
-        add("probs_from_logits", b, k, v,
-            lambda: ops.probs_from_logits(flat_logits, temp, topk, topp, check_values=False),
-            lambda: torch_probs_from_logits(flat_logits, temp, topk, topp),
-            floor_bytes=2 * nrows * v * 4)
-        add("verify_greedy", b, k, v,
-            lambda: ops.verify_greedy(logits, ids, nd, check_values=False),
-            lambda: torch_verify_greedy(logits, ids, nd),
-            floor_bytes=nrows * v * 4,
-            oracle_fn=(lambda: reference.verify_greedy(*on_cpu(logits, ids, nd))) if cheap_oracle else None)
-        out, acc = ops.rejection_sample(target, draft, ids, nd, seeds, pos, check_values=False)
-        add("rejection_sample", b, k, v,
-            lambda: ops.rejection_sample(target, draft, ids, nd, seeds, pos, check_values=False),
-            lambda: torch_rejection_sample(target, draft, ids, nd),
-            baseline=lambda: baseline_rejection_sample(target, draft, ids, nd),
-            floor_bytes=b * v * 8,   # the one sampled row of p and of q per request
-            oracle_fn=(lambda: reference.rejection_sample(*on_cpu(target, draft, ids, nd, seeds, pos)))
-            if cheap_oracle else None,
-            mean_accepted=float(acc.float().mean()))
-        if device == "cpu":   # the default (validating) CPU call, for reference
-            rows[-1].extra["ours_checked_ms"] = time_ms(
-                lambda: ops.rejection_sample(target, draft, ids, nd, seeds, pos), device, reps, budget_s=budget)
-        add("rejection_sample[one-hot q]", b, k, v,
-            lambda: ops.rejection_sample(target, None, ids, nd, seeds, pos, check_values=False),
-            lambda: torch_rejection_sample(target, None, ids, nd),
-            baseline=lambda: baseline_rejection_sample(target, None, ids, nd),
-            floor_bytes=b * v * 4)
-        out, acc = ops.rejection_sample(target, None, ids, nd, seeds, pos, method="coupled", check_values=False)
-        add("rejection_sample[coupled]", b, k, v,
-            lambda: ops.rejection_sample(target, None, ids, nd, seeds, pos, method="coupled", check_values=False),
-            lambda: torch_coupled(target, ids, nd),
-            floor_bytes=int((acc.long() + 1).sum()) * v * 4)
-        probs0 = target[:, 0].contiguous()
-        add("sample_tokens", b, 0, v,
-            lambda: ops.sample_tokens(probs0, seeds, pos, check_values=False),
-            lambda: torch_sample_tokens(probs0),
-            baseline=lambda: baseline_sample_tokens(probs0),
-            floor_bytes=b * v * 4,
-            oracle_fn=(lambda: reference.sample_tokens(*on_cpu(probs0, seeds, pos))) if cheap_oracle else None)
-        del logits, target, draft, flat_logits
 
-    # KV cache ops: a Llama-3-8B-like target cache (bf16) plus a small draft cache.
+def bench_sampling(bn: Bencher, b: int, k: int, v: int, g, oracle: bool) -> None:
+    """probs_from_logits, verify_greedy, rejection_sample (3 variants), sample_tokens at B, K, V."""
+    device = bn.device
+    logits, target, draft, ids, nd, seeds, pos = make_spec_inputs(b, k, v, device, g)
+    cheap_oracle = oracle and b * v <= 8 * 32000 and device == "cpu"
+    on_cpu = lambda *ts: [None if x is None else x.cpu() for x in ts]   # noqa: E731
+    nrows = b * (k + 1)
+    flat_logits = logits.reshape(nrows, v)
+    temp = torch.full((nrows,), 0.8, device=device)
+    temp[::5] = 0.0
+    topk = torch.full((nrows,), 50, dtype=torch.int32, device=device)
+    topk[1::3] = 0
+    topp = torch.full((nrows,), 0.9, device=device)
+    topp[2::3] = 1.0
+    bn.add("probs_from_logits", b, k, v,
+           lambda: ops.probs_from_logits(flat_logits, temp, topk, topp, check_values=False),
+           lambda: torch_probs_from_logits(flat_logits, temp, topk, topp),
+           floor_bytes=2 * nrows * v * 4)
+    bn.add("verify_greedy", b, k, v,
+           lambda: ops.verify_greedy(logits, ids, nd, check_values=False),
+           lambda: torch_verify_greedy(logits, ids, nd),
+           floor_bytes=nrows * v * 4,
+           oracle_fn=(lambda: reference.verify_greedy(*on_cpu(logits, ids, nd))) if cheap_oracle else None)
+    out, acc = ops.rejection_sample(target, draft, ids, nd, seeds, pos, check_values=False)
+    row = bn.add("rejection_sample", b, k, v,
+                 lambda: ops.rejection_sample(target, draft, ids, nd, seeds, pos, check_values=False),
+                 lambda: torch_rejection_sample(target, draft, ids, nd),
+                 baseline=lambda: baseline_rejection_sample(target, draft, ids, nd),
+                 floor_bytes=b * v * 8,   # the one sampled row of p and of q per request
+                 oracle_fn=(lambda: reference.rejection_sample(*on_cpu(target, draft, ids, nd, seeds, pos)))
+                 if cheap_oracle else None,
+                 mean_accepted=float(acc.float().mean()))
+    if device == "cpu":   # the default (validating) CPU call, for reference
+        row.extra["ours_checked_ms"] = time_ms(
+            lambda: ops.rejection_sample(target, draft, ids, nd, seeds, pos), device, bn.reps, budget_s=bn.budget)
+    bn.add("rejection_sample[one-hot q]", b, k, v,
+           lambda: ops.rejection_sample(target, None, ids, nd, seeds, pos, check_values=False),
+           lambda: torch_rejection_sample(target, None, ids, nd),
+           baseline=lambda: baseline_rejection_sample(target, None, ids, nd),
+           floor_bytes=b * v * 4)
+    out, acc = ops.rejection_sample(target, None, ids, nd, seeds, pos, method="coupled", check_values=False)
+    bn.add("rejection_sample[coupled]", b, k, v,
+           lambda: ops.rejection_sample(target, None, ids, nd, seeds, pos, method="coupled", check_values=False),
+           lambda: torch_coupled(target, ids, nd),
+           floor_bytes=int((acc.long() + 1).sum()) * v * 4)
+    probs0 = target[:, 0].contiguous()
+    bn.add("sample_tokens", b, 0, v,
+           lambda: ops.sample_tokens(probs0, seeds, pos, check_values=False),
+           lambda: torch_sample_tokens(probs0),
+           baseline=lambda: baseline_sample_tokens(probs0),
+           floor_bytes=b * v * 4,
+           oracle_fn=(lambda: reference.sample_tokens(*on_cpu(probs0, seeds, pos))) if cheap_oracle else None)
+
+
+def bench_kv(bn: Bencher, quick: bool, g) -> None:
+    """copy_blocks and write_kv on a Llama-3-8B-like target cache (bf16) plus a small draft cache."""
+    device = bn.device
     layers, kv_heads, head_dim, block_size = (4, 8, 128, 16) if (quick or device == "cpu") else (32, 8, 128, 16)
     num_blocks = 256
     for pairs in ((4,) if quick else (1, 16, 64)):
@@ -378,21 +265,35 @@ def bench_all(device: str, quick: bool, reps: int, oracle: bool, floor: MemoryFl
         mapping = torch.stack([perm[:pairs], perm[pairs:]], 1).contiguous()
         src, dst = mapping[:, 0].contiguous(), mapping[:, 1].contiguous()
         block_bytes = sum(c[:, :, 0].numel() * c.element_size() for c in (tgt, drf))
-        add("copy_blocks", pairs, 0, 0,
-            lambda: ops.copy_blocks([tgt, drf], mapping, check_values=False),
-            lambda: torch_copy_blocks([tgt, drf], src, dst),
-            floor_bytes=2 * pairs * block_bytes)
+        bn.add("copy_blocks", pairs, 0, 0,
+               lambda: ops.copy_blocks([tgt, drf], mapping, check_values=False),
+               lambda: torch_copy_blocks([tgt, drf], src, dst),
+               floor_bytes=2 * pairs * block_bytes)
         del tgt, drf
     cache = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     for tokens in ((64,) if quick else (8, 64, 512)):
         kk = torch.randn(tokens, kv_heads, head_dim, device=device).to(torch.bfloat16)
         vv = torch.randn_like(kk)
         slots = torch.randperm(num_blocks * block_size, generator=g, device=device)[:tokens]
-        add("write_kv", tokens, 0, 0,
-            lambda: ops.write_kv(cache, 1, kk, vv, slots, check_values=False),
-            lambda: torch_write_kv(cache, 1, kk, vv, slots),
-            floor_bytes=2 * 2 * kk.numel() * kk.element_size())
-    return rows
+        bn.add("write_kv", tokens, 0, 0,
+               lambda: ops.write_kv(cache, 1, kk, vv, slots, check_values=False),
+               lambda: torch_write_kv(cache, 1, kk, vv, slots),
+               floor_bytes=2 * 2 * kk.numel() * kk.element_size())
+
+
+def bench_all(device: str, quick: bool, reps: int, oracle: bool, floor: MemoryFloor,
+              threads: int | None = None) -> list[Row]:
+    g = torch.Generator(device=device).manual_seed(0)
+    if quick:
+        grid = [(1, 4, 32000), (8, 4, 32000), (8, 4, 128256)]
+    else:
+        grid = [(b, k, v) for v in (32000, 128256) for k in (4, 8) for b in (1, 8, 64)]
+    bn = Bencher(device, quick, reps, floor, threads)
+    print(header(threads), flush=True)
+    for b, k, v in grid:
+        bench_sampling(bn, b, k, v, g, oracle)
+    bench_kv(bn, quick, g)
+    return bn.rows
 
 
 # issue 18's goals: (op, B, K, V, minimum baseline_ms / ours_ms, the goal in words)
@@ -450,6 +351,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     ap.add_argument("--no-oracle", action="store_true", help="skip timing specrt/reference.py")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-attention", action="store_true",
+                    help="skip the attention section (paged attention vs gather + SDPA, bench/attention.py)")
     args = ap.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and ops.cuda_built() else "cpu")
     if device == "cuda" and not ops.cuda_built():
@@ -491,12 +394,37 @@ def main(argv=None) -> int:
         print(f"headline: rejection_sample B=8 K=4 V=32000 on {on}: {r.ratio:.2f}x vs vectorised torch, "
               f"{r.baseline_ratio:.2f}x vs the straightforward torch version")
     print("\n".join(goal_lines(rows)))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
-        print(f"wrote {args.out}")
-    return 0
+    result = {"meta": meta, "rows": [asdict(r) for r in rows]}
+    write_json(result, args.out)        # before the attention section: a timeout there keeps these
+    if args.no_attention:
+        return 0
+    result["attention"] = attention = attention_section(device, thread_counts, args.quick)
+    write_json(result, args.out)
+    return 1 if "error" in attention else 0
+
+
+def attention_section(device: str, thread_counts: list[int], quick: bool) -> dict:
+    """bench/attention.py's kernel-vs-SDPA step and its goals; a failure is recorded, not raised
+    (the op results above stand on their own)."""
+    from bench import attention
+
+    print(f"\nattention (bench/attention.py): SmolLM2 shapes, K=4, {'quick' if quick else 'full'}", flush=True)
+    try:
+        att = attention.section(device, thread_counts, quick)
+    except Exception as e:  # noqa: BLE001 - reported in the output and the JSON
+        att = {"error": f"{type(e).__name__}: {e}"}
+        print(f"attention section FAILED: {att['error']}", flush=True)
+        return att
+    print("\n".join(att["goals"]))
+    return att
+
+
+def write_json(result: dict, path: str | None) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

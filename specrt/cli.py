@@ -2,7 +2,7 @@
 
     specrt demo                       # built-in pair: autoregressive vs speculative, same run
     specrt serve --target-model builtin --draft-model builtin --speculative-decoding
-    specrt bench --quick [--out DIR]  # end-to-end benchmark report
+    specrt bench --quick [--out DIR]  # end-to-end benchmark report (a source checkout: bench/)
     specrt distill ...                # draft-model tools (layer-init, distillation, acceptance head)
     specrt convert model.gguf OUT_DIR # a GGUF file (or smollm2-135m) as a Hugging Face folder
 """
@@ -138,12 +138,32 @@ def convert(argv: list[str] | None = None) -> int:
     return 0
 
 
+def bench(argv: list[str]) -> int:
+    """`specrt bench` runs the repository's bench/ package, which is not part of the installed
+    runtime: found beside this specrt source tree, or on sys.path (`python -m bench` from the root)."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if (root / "bench" / "cli.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        bench_cli = importlib.import_module("bench.cli")   # the one upward import: bench sits above specrt
+    except ModuleNotFoundError as e:
+        if e.name not in ("bench", "bench.cli"):
+            raise
+        print("specrt bench runs from a source checkout of specrt (the repository's bench/ package). "
+              f"From the repository root: python -m bench {' '.join(argv)}".rstrip(), file=sys.stderr)
+        return 2
+    return bench_cli.main(argv, prog="specrt bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "demo": demo,
         "serve": lambda a: __import__("specrt.server", fromlist=["main"]).main(a),
-        "bench": lambda a: __import__("specrt.benchmarks", fromlist=["main"]).main(a),
+        "bench": bench,
         "distill": lambda a: __import__("specrt.training.distill", fromlist=["main"]).main(a),
         "train": lambda a: __import__("specrt.training.recipe", fromlist=["main"]).main(a),
         "convert": convert,

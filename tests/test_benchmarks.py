@@ -1,5 +1,6 @@
-"""Smoke test of the end-to-end benchmark harness (specrt.benchmarks) on the tiny random pair:
-every section runs with minimal settings and the JSON, markdown report and plots are written."""
+"""Smoke test of the end-to-end benchmark harness (the repository's bench/ package) on the tiny
+random pair: every section runs with minimal settings and the JSON, markdown report and plots
+are written."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,12 @@ import torch
 pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
-from specrt import benchmarks  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))      # the repository root: the bench package
 from _engine_utils import make_pair  # noqa: E402
+
+from bench import cost_curve, runner, sections, workloads  # noqa: E402
+from bench.report import write_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +30,16 @@ def pair(tmp_path_factory):
 def test_bench_minimal_writes_every_section(pair, tmp_path):
     torch.set_num_threads(1)
     tdir, ddir = pair
-    s = benchmarks.Settings.minimal()
-    res = benchmarks.run_all(str(tdir), str(ddir), "cpu", s, log=lambda *a: None)
-    out = benchmarks.write_results(res, tmp_path / "out")
+    s = workloads.Settings.minimal()
+    res = sections.run_all(str(tdir), str(ddir), "cpu", s, log=lambda *a: None)
+    out = write_results(res, tmp_path / "out")
 
     data = json.loads((out / "results.json").read_text())
-    for sec in benchmarks.SECTIONS:
+    for sec in sections.SECTIONS:
         assert sec in data, sec
     cats = data["categories"]
-    assert set(cats) == set(benchmarks.CATEGORIES)
-    for cat in benchmarks.CATEGORIES:
+    assert set(cats) == set(workloads.CATEGORIES)
+    for cat in workloads.CATEGORIES:
         assert {"ar", "model", "ngram"} <= set(cats[cat])
         assert any(k.startswith("self:") for k in cats[cat])
         for name, v in cats[cat].items():
@@ -88,8 +91,8 @@ def test_misaligned_engine_changes_only_the_draft_params(pair):
 
     tdir, ddir = pair
     spec = specrt.SpecConfig(max_draft_length=3, max_batch_size=2, max_model_len=128)
-    aligned = benchmarks.make_llm(str(tdir), str(ddir), spec, "cpu")
-    mis = benchmarks.make_llm(str(tdir), str(ddir), spec, "cpu", misalign={"temperature": 1.0, "top_p": 0.9})
+    aligned = runner.make_llm(str(tdir), str(ddir), spec, "cpu")
+    mis = runner.make_llm(str(tdir), str(ddir), spec, "cpu", misalign={"temperature": 1.0, "top_p": 0.9})
     params = specrt.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, seed=3)
     prompt = [5, 9, 11, 20, 7, 5, 9]
     a = aligned.generate([prompt], params)[0]
@@ -100,9 +103,9 @@ def test_misaligned_engine_changes_only_the_draft_params(pair):
 
 def test_cost_curve_tiny_cpu(tmp_path):
     torch.set_num_threads(1)
-    res = benchmarks.cost_curve("tiny", "tiny", draft_layers=1, device="cpu", dtype="float32", ctx=32,
+    res = cost_curve.cost_curve("tiny", "tiny", draft_layers=1, device="cpu", dtype="float32", ctx=32,
                                 max_tokens=4, batch_sizes=(1, 2), kmax=3, reps=2, log=lambda *a: None)
-    benchmarks.write_cost_curve(res, tmp_path)
+    cost_curve.write_cost_curve(res, tmp_path)
     data = json.loads((tmp_path / "cost_curve.json").read_text())
     assert set(data["by_batch"]) == {"1", "2"}
     e = data["by_batch"]["1"]
@@ -116,7 +119,7 @@ def test_median_interval_order_statistics():
     contain the true median of a skewed distribution in ~95% of samples."""
     import random
 
-    from specrt.benchmarks import median_interval
+    from bench.runner import median_interval
 
     assert median_interval(list(range(1, 10))) == (2, 8, pytest.approx(1 - 2 * 10 / 512))
     assert median_interval(list(range(1, 21)))[:2] == (6, 15)
@@ -127,3 +130,26 @@ def test_median_interval_order_statistics():
         lo, hi, _ = median_interval([rng.expovariate(1.0) for _ in range(15)])
         hits += lo <= math.log(2) <= hi
     assert 0.94 <= hits / 2000 <= 0.99
+
+
+def test_specrt_bench_dispatches_to_the_bench_package(capsys):
+    from specrt import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0
+    assert "usage: specrt bench" in capsys.readouterr().out
+
+
+def test_specrt_bench_outside_a_checkout_says_how_to_run_it(tmp_path):
+    """An installed specrt without the repository's bench/ package: a clear message, exit code 2."""
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "specrt", tmp_path / "specrt", ignore=shutil.ignore_patterns("builtin", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "specrt.cli", "bench", "--quick"], cwd=tmp_path,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "source checkout" in proc.stderr and "python -m bench --quick" in proc.stderr

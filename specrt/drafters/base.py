@@ -115,6 +115,11 @@ class Drafter:
         """Cost hint: tokens each request's draft must consume before it can draft (its KV lag)."""
         return [0] * len(batch)
 
+    def step_model(self) -> tuple[torch.nn.Module, int | None] | None:
+        """Cost hint: (the network one draft forward runs, how many of its layers; None: all),
+        or None when drafting runs no network (n-gram). Benchmarks time a draft step with it."""
+        return None
+
     def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None) -> DraftProposal:
         raise NotImplementedError
 

@@ -52,6 +52,9 @@ class ModelDrafter(Drafter):
         """Positions whose KV this drafter can read for request r."""
         return r.draft_cached
 
+    def step_model(self) -> tuple[torch.nn.Module, int | None]:
+        return self.model, self.num_layers
+
     def catchup(self, batch) -> list[int]:
         # the draft KV lags by what it has not consumed yet (its prompt, the first time)
         return [max(r.context_len - 1 - r.draft_cached, 0) for r in batch]
