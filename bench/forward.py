@@ -142,11 +142,7 @@ def linears_fn(model: LlamaForCausalLM, q: int):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(q, cfg.hidden_size, generator=g).to(model.dtype)
     xi = torch.randn(q, cfg.intermediate_size, generator=g).to(model.dtype)
-    calls = []
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        calls += [(a._qkv, x), (a._o, x), (m._gate_up, x), (m._down, xi)]
-    calls.append((model._lm_head, x))
+    calls = [(fn, x if kind == "hidden" else xi) for kind, fn in model.projections()]
 
     def run():
         for fn, inp in calls:

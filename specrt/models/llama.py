@@ -585,6 +585,19 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"max_rows must be an integer >= 0, got {max_rows!r}")
         self.linear_policy.max_rows = max_rows
 
+    def projections(self) -> list[tuple[str, object]]:
+        """The prepared projection callables a forward runs, in order, as (kind, fn) with kind
+        "hidden" (input [T, hidden]) or "intermediate" (input [T, intermediate]); the LM head last.
+        For benchmarks that time the kernels' share of a forward."""
+        self.prepare()
+        calls = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = [a._qkv] if a._qkv is not None else [a.q_proj, a.k_proj, a.v_proj]
+            calls += [("hidden", fn) for fn in qkv] + [("hidden", a._o), ("hidden", m._gate_up),
+                                                       ("intermediate", m._down)]
+        return calls + [("hidden", self._lm_head)]
+
     def _invalidate_fast_path(self) -> None:
         self._prepared = False
 
