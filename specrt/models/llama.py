@@ -594,8 +594,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = [a._qkv] if a._qkv is not None else [a.q_proj, a.k_proj, a.v_proj]
-            calls += [("hidden", fn) for fn in qkv] + [("hidden", a._o), ("hidden", m._gate_up),
-                                                       ("intermediate", m._down)]
+            gate_up = [m._gate_up] if m._gate_up is not None else [m.gate_proj, m.up_proj]
+            calls += [("hidden", fn) for fn in qkv + [a._o] + gate_up] + [("intermediate", m._down)]
         return calls + [("hidden", self._lm_head)]
 
     def _invalidate_fast_path(self) -> None:
