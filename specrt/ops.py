@@ -118,32 +118,38 @@ def _float_input(t, name: str) -> torch.Tensor:
 
 
 @torch.library.register_fake("specrt::probs_from_logits")
-def _probs_from_logits_fake(logits, temperature, top_k, top_p, check_values=True):
+def _probs_from_logits_fake(logits, temperature, top_k, top_p, min_p=None, check_values=True):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got shape {list(logits.shape)}")
     return torch.empty_like(logits)
 
 
-def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p,
+def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p=None,
                       check_values: bool | None = None) -> torch.Tensor:
-    """The one sampling transform: temperature -> top-k -> softmax -> top-p -> renormalise.
+    """The one sampling transform: temperature -> top-k -> softmax -> min-p -> top-p -> renormalise.
 
     Shape: logits [N, V] (any float dtype), temperature [N] (below
     ``TEMPERATURE_EPS`` = 1e-5, 0 included: greedy), top_k [N] (0 = off),
-    top_p [N] in (0, 1] (1 = off).
+    top_p [N] in (0, 1] (1 = off), min_p [N] in [0, 1] or None (0 = off).
     Returns: probs [N, V] float32. Greedy rows are one-hot at the argmax
     (NaN counts as -inf, ties to the lowest index). Ties at the top-k / top-p
-    threshold are kept. Draft and target rows of a request must get the same
-    parameters, or acceptance silently drops.
+    threshold are kept. min-p keeps every token whose probability is at least
+    min_p times the largest (on the softmax numerators exp(x/t - max), which
+    are >= min_p exactly then); top-k and min-p commute, top-p cuts the row
+    renormalised after both. Draft and target rows of a request must get the
+    same parameters, or acceptance silently drops.
 
     Example:
-        >>> probs = ops.probs_from_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]))
+        >>> probs = ops.probs_from_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]),
+        ...                               min_p=torch.tensor([0.05]))
     """
     logits = _float_input(logits, "logits")
     temperature = _as(temperature, "temperature", torch.float32, logits)
     top_k = _as(top_k, "top_k", torch.int32, logits)
     top_p = _as(top_p, "top_p", torch.float32, logits)
+    if min_p is not None:
+        min_p = _as(min_p, "min_p", torch.float32, logits)
     _has_kernels(logits, "logits")
-    return torch.ops.specrt.probs_from_logits(logits, temperature, top_k, top_p,
+    return torch.ops.specrt.probs_from_logits(logits, temperature, top_k, top_p, min_p,
                                               _check_values(logits, check_values))
 
 

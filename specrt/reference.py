@@ -142,12 +142,14 @@ def argmax_nan_low(x: torch.Tensor) -> torch.Tensor:
 # The ops
 # --------------------------------------------------------------------------- #
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """temperature -> top-k -> softmax -> top-p -> renormalise, per row.
+                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """temperature -> top-k -> softmax -> min-p -> top-p -> renormalise, per row.
 
     temperature below TEMPERATURE_EPS (0 included): one-hot at the argmax (NaN as -inf, ties
     to the lowest index); dividing by a tinier temperature would overflow float32.
     top_k 0 or >= V: off; otherwise keep every logit >= the k-th largest (ties kept).
+    min_p 0 (or None): off; otherwise keep every token with exp(x / t - max) >= min_p, i.e.
+    probability >= min_p * the largest probability.
     top_p 1: off; otherwise keep every prob >= the prob at which the descending
     cumulative sum first reaches top_p (ties kept), then renormalise.
     NaN logits count as -inf; a row with no finite logit becomes one-hot at its argmax.
@@ -158,6 +160,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
         t = float(torch.as_tensor(temperature[row]).to(torch.float32))   # the kernels read float32
         k = int(top_k[row])
         p_top = float(top_p[row])
+        m_p = 0.0 if min_p is None else float(torch.as_tensor(min_p[row]).to(torch.float32))
         x = logits[row].to(torch.float32)
         x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
         if not t >= TEMPERATURE_EPS or not bool(torch.isfinite(x.max())):
@@ -168,6 +171,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             kth = torch.sort(x, descending=True).values[k - 1]
             x = torch.where(x >= kth, x, torch.full_like(x, float("-inf")))
         e = torch.exp(x - x.max())
+        if m_p > 0.0:
+            e = torch.where(e >= m_p, e, torch.zeros_like(e))
         p = e / e.sum()
         if p_top < 1.0:
             sorted_p = torch.sort(p, descending=True).values

@@ -49,8 +49,9 @@ def _cases(device: str) -> dict[str, list[tuple]]:
     cache = torch.randn(3, 2, 5, 2, 2, 4, generator=g).to(dev)
     kv = torch.randn(4, 2, 4, generator=g).to(dev)
     cases = {
-        "probs_from_logits": [(flat, temperature, top_k, top_p, True),
-                              (flat.clone().requires_grad_(), temperature, top_k.long(), top_p, False)],
+        "probs_from_logits": [(flat, temperature, top_k, top_p, None, True),
+                              (flat.clone().requires_grad_(), temperature, top_k.long(), top_p, None, False),
+                              (flat, temperature, top_k, top_p, torch.tensor([0.0, 0.1, 0.5] * B, device=dev), True)],
         "verify_greedy": [(logits, ids, counts, True), (logits, ids.long(), counts.to(torch.int16), False)],
         "rejection_sample": [(p, q, ids, counts, seeds, positions, "rejection", True),
                              (p, None, ids, counts, seeds, positions, "rejection", True),
