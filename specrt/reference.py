@@ -185,6 +185,38 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     return out
 
 
+def penalized_logit(x: torch.Tensor, bias, repetition_penalty, in_prompt: bool, count: int, frequency_penalty,
+                    presence_penalty) -> torch.Tensor:
+    """specrt::penalized_logit (csrc/include/specrt/penalties.h), float32 op for op."""
+    f = lambda v: torch.as_tensor(v, dtype=torch.float32)   # noqa: E731
+    x = f(x) + f(bias)
+    if in_prompt or count > 0:
+        x = torch.where(x < 0, x * f(repetition_penalty), x / f(repetition_penalty))
+    if count > 0:
+        x = (x - f(frequency_penalty) * f(float(count))) - f(presence_penalty)
+    return x
+
+
+def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_ids, entry_start, entry_token,
+                    entry_count, entry_in_prompt, entry_bias, repetition_penalty, frequency_penalty,
+                    presence_penalty) -> None:
+    """In place: row r (request b = row_request[r], after i = row_offset[r] drafts) gets, for every
+    token its history touches, penalized_logit with count = generated count + occurrences in
+    draft_token_ids[b, :i], in_prompt from the entries and the entry's bias (0 for a draft token
+    that has no entry)."""
+    for r in range(logits.shape[0]):
+        b, i = int(row_request[r]), int(row_offset[r])
+        s, e = int(entry_start[b]), int(entry_start[b + 1])
+        table = {int(entry_token[x]): (int(entry_count[x]), bool(entry_in_prompt[x]), float(entry_bias[x]))
+                 for x in range(s, e)}
+        for d in [int(t) for t in draft_token_ids[b, :i]]:
+            c, p, bias = table.get(d, (0, False, 0.0))
+            table[d] = (c + 1, p, bias)
+        for t, (c, p, bias) in table.items():
+            logits[r, t] = penalized_logit(logits[r, t], bias, repetition_penalty[b], p, c, frequency_penalty[b],
+                                           presence_penalty[b])
+
+
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                   num_draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept draft i while it equals the target's argmax at i; emit argmax at the first miss."""
