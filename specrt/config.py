@@ -127,12 +127,12 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the field if a token id of a control lies outside the vocabulary."""
-        lists = (("logit_bias", list(self.logit_bias or ())), ("allowed_token_ids", self.allowed_token_ids or []),
-                 ("bad_words_ids", [t for w in self.bad_words_ids or [] for t in w]))
+        lists = (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                 ("bad_words_ids", [max(w) for w in self.bad_words_ids or ()]))
         for name, ids in lists:
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is out of range for the vocabulary of {vocab_size} tokens")
+            top = max(ids, default=-1)
+            if top >= vocab_size:
+                raise ValueError(f"{name}: token id {top} is out of range for the vocabulary of {vocab_size} tokens")
 
     @property
     def has_penalties(self) -> bool:

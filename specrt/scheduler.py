@@ -56,7 +56,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, the first None
 
 
-@dataclass
+@dataclass(eq=False)      # compared by identity: deque.remove / `in` must not compare every field
 class Request:
     request_id: Hashable
     prompt_token_ids: list[int]
