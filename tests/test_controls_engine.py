@@ -9,7 +9,10 @@ allowed_token_ids + bad_words_ids) and every drafter (model, n-gram, self:1) at 
   statistic penalties move most); a deliberately broken engine whose verified positions forget
   the drafts before them fails the same test (the test has power);
 - greedy parity with transformers' generate (RepetitionPenaltyLogitsProcessor,
-  NoBadWordsLogitsProcessor, MinPLogitsWarper) on the same weights.
+  NoBadWordsLogitsProcessor, MinPLogitsWarper) on the same weights;
+- alignment: with the target as its own draft every draft is accepted, overlap pre-drafts
+  included, which holds only if each draft row saw the target's controls and history;
+- a banned sequence is cut exactly where greedy decoding would complete it within one step.
 """
 from __future__ import annotations
 
@@ -296,3 +299,19 @@ def test_the_banned_sequence_test_has_power(pair, monkeypatch):
     eng = specrt.LLM(target=str(tdir), draft=str(tdir), spec=SpecConfig(max_draft_length=4), seed=0)
     _, ar, spec, word = _banned_bigram_case(pair, eng)
     assert spec != ar
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_draft_sees_the_same_controls_and_history(pair, ar_greedy, overlap):
+    """The target as its own draft model, greedy: every draft is accepted only if each draft row got
+    the target's controls from the same history (earlier drafts, and with overlap the guessed bonus
+    and earlier pre-drafts) -- a misaligned row would propose another token."""
+    tdir, _ = pair
+    eng = llm(pair, str(tdir), max_draft_length=4, overlap=overlap)
+    eng.engine.reset_metrics()
+    out = eng.generate(*_all_controls(temperature=0.0))
+    assert tokens(out) == ar_greedy
+    drafted = sum(o.metrics["drafted_tokens"] for o in out)
+    assert drafted > 0 and sum(o.metrics["accepted_tokens"] for o in out) == drafted
+    if overlap:      # the pre-drafts were made, kept, and accepted
+        assert eng.stats()["overlap_pre_drafts_used"] > 0

@@ -132,7 +132,8 @@ def penalty_case(g: torch.Generator, b: int = 5, k: int = 4, v: int = 40):
     fp = torch.rand(b, generator=g) * 4 - 2
     pp = torch.rand(b, generator=g) * 4 - 2
     args = (torch.tensor([r for r, _ in rows]), torch.tensor([i for _, i in rows]), drafts, torch.tensor(start),
-            torch.tensor(tok, dtype=torch.int32), torch.tensor(cnt, dtype=torch.int32), torch.tensor(inp, dtype=torch.bool),
+            torch.tensor(tok, dtype=torch.int32), torch.tensor(cnt, dtype=torch.int32),
+            torch.tensor(inp, dtype=torch.bool),
             torch.tensor(bias), rp, fp, pp)
     return logits, args
 

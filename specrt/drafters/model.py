@@ -231,35 +231,29 @@ class ModelDrafter(Drafter):
             last = torch.tensor([b * width + n_of[b] - 1 for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
             feed = proposal.draft_token_ids.view(-1).index_select(0, last).long()
             base = [r.context_len + n_of[b] for b, r in zip(rows, reqs)]   # position of the bonus
-            ctl, ahead = batch_controls(batch, dev), None
-            if ctl is not None:   # the assumed history after this round: drafts, the guess, the pre-drafts so far
-                ahead = torch.full((len(batch), width + 1 + max(k_next)), -1, dtype=torch.int32, device=dev)
-                ahead[:, :width] = proposal.draft_token_ids
-                rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-                at = torch.tensor([n_of[b] for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
-            history = None if ctl is None else (ctl, rows, [n_of[b] for b in rows], ahead)
+            assumed = _AssumedHistory.make(batch, proposal, rows, max(k_next), dev)
             q, _, _ = self._forward(reqs, feed, base, [1] * len(rows), [r.num_generated + n_of[b]
-                                                                         for b, r in zip(rows, reqs)], None, history)
+                                                                         for b, r in zip(rows, reqs)], None,
+                                    assumed.at(list(range(len(rows))), 0) if assumed else None)
             if self.settings.coupled:
                 guess = self._sample(q, reqs, base)        # the target's own race noise: likely the bonus
             else:
                 guess = q.argmax(-1).to(torch.int32)       # the draft's most likely bonus
             feed = guess.long()
-            if ahead is not None:
-                ahead[rows_t, at] = guess
+            if assumed:
+                assumed.append(None, 0, guess)
             active = list(range(len(rows)))
             for j in range(max(k_next)):
                 active = [i for i in active if j < k_next[i]]
                 sel = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
                 sub = [reqs[i] for i in active]
                 seq = [base[i] + 1 + j for i in active]
-                history = None if ctl is None else (ctl, [rows[i] for i in active],
-                                                    [n_of[rows[i]] + 1 + j for i in active], ahead)
                 q, _, _ = self._forward(sub, feed.index_select(0, sel), seq, [1] * len(active),
-                                        [reqs[i].num_generated + n_of[rows[i]] + 1 + j for i in active], None, history)
+                                        [reqs[i].num_generated + n_of[rows[i]] + 1 + j for i in active], None,
+                                        assumed.at(active, 1 + j) if assumed else None)
                 y = self._sample(q, sub, seq)
-                if ahead is not None:
-                    ahead[rows_t.index_select(0, sel), at.index_select(0, sel) + 1 + j] = y
+                if assumed:
+                    assumed.append(sel, 1 + j, y)
                 out_ids[sel, j] = y
                 if out_probs is not None:
                     out_probs[sel, j] = q
@@ -269,3 +263,39 @@ class ModelDrafter(Drafter):
         return {b: PreDraft(guess[i], out_ids[i, :k_next[i]], None if out_probs is None else out_probs[i, :k_next[i]],
                             k_next[i], base[i] + k_next[i], seconds)
                 for i, b in enumerate(rows)}
+
+
+class _AssumedHistory:
+    """Overlap: the history a pre-draft assumes for the logit controls, per request b of the batch:
+    this round's drafts [:n_b], then the guessed bonus token, then the pre-drafts so far."""
+
+    def __init__(self, ctl, tokens: torch.Tensor, rows: list[int], start: torch.Tensor, n_of: list[int]):
+        self.ctl = ctl
+        self.tokens = tokens      # [B, K + 1 + k_next] int32, -1 padded
+        self.rows = rows          # pre-drafted rows of the batch
+        self.start = start        # [len(rows)] int64: where each row's guess goes (n_b)
+        self.n_of = n_of          # [B] this round's draft counts
+
+    @staticmethod
+    def make(batch, proposal: DraftProposal, rows: list[int], k_next: int, dev) -> "_AssumedHistory | None":
+        ctl = batch_controls(batch, dev)
+        if ctl is None:
+            return None
+        width = proposal.draft_token_ids.shape[1]
+        tokens = torch.full((len(batch), width + 1 + k_next), -1, dtype=torch.int32, device=dev)
+        tokens[:, :width] = proposal.draft_token_ids
+        n_of = proposal.num_draft_tokens
+        start = torch.tensor([n_of[b] for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+        return _AssumedHistory(ctl, tokens, rows, start, n_of)
+
+    def at(self, active: list[int], step: int) -> tuple:
+        """apply_controls' history for the active pre-draft rows producing token n_b + step."""
+        return self.ctl, [self.rows[i] for i in active], [self.n_of[self.rows[i]] + step for i in active], self.tokens
+
+    def append(self, sel: torch.Tensor | None, step: int, tokens: torch.Tensor) -> None:
+        """Record the tokens [len(sel)] the selected rows (None: all) produced at n_b + step."""
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(self.tokens.device, non_blocking=True)
+        start = self.start
+        if sel is not None:
+            rows, start = rows.index_select(0, sel), start.index_select(0, sel)
+        self.tokens[rows, start + step] = tokens.to(torch.int32)

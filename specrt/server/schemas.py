@@ -126,7 +126,8 @@ class _Common(_Strict):
             raise PydanticCustomError("invalid_type", "'logit_bias' must be an object {\"token id\": bias}, got "
                                       "{got}", {"got": type_name(v)})
         if len(v) > MAX_TOKEN_LIST:
-            raise PydanticCustomError("invalid_value", "'logit_bias' may hold at most {n} tokens", {"n": MAX_TOKEN_LIST})
+            raise PydanticCustomError("invalid_value", "'logit_bias' may hold at most {n} tokens",
+                                      {"n": MAX_TOKEN_LIST})
         out = {}
         for key, bias in v.items():
             if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
