@@ -169,7 +169,8 @@ def _ban_sequences(logits, ctl: BatchControls, states, row_request, row_offset, 
     window = history[req[:, None], off[:, None] + torch.arange(L, device=dev)]        # [P, L]: before the row
     prefix = torch.from_numpy(prefixes).to(dev, non_blocking=True)
     hit = ((window == prefix) | (prefix < 0)).all(1)                                  # [P]
-    flat = rows * logits.shape[1] + torch.tensor([tok for _, _, tok in pairs], dtype=torch.int64).to(dev)
+    tokens = torch.tensor([tok for _, _, tok in pairs], dtype=torch.int64).to(dev, non_blocking=True)
+    flat = rows * logits.shape[1] + tokens
     inf = torch.full_like(hit, float("inf"), dtype=logits.dtype)
     logits.view(-1).scatter_reduce_(0, flat, torch.where(hit, -inf, inf), reduce="amin")
 
