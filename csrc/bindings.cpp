@@ -51,7 +51,8 @@ void check_scaled_logits_finite(const at::Tensor& logits, const at::Tensor& temp
 }  // namespace
 
 at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                                const at::Tensor& top_p, bool check_values, ProbsFromLogitsKernel kernel) {
+                                const at::Tensor& top_p, const std::optional<at::Tensor>& min_p, bool check_values,
+                                ProbsFromLogitsKernel kernel) {
   TORCH_CHECK_VALUE(logits.defined(), "logits must be a tensor, got None");
   const at::Device device = logits.device();
   check_tensor(logits, "logits", at::kFloat, 2, device);
@@ -64,6 +65,11 @@ at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temp
   check_size(temperature, "temperature", 0, rows, "rows of logits");
   check_size(top_k, "top_k", 0, rows, "rows of logits");
   check_size(top_p, "top_p", 0, rows, "rows of logits");
+  const at::Tensor mp = min_p.has_value() ? *min_p : at::Tensor();
+  if (mp.defined()) {
+    check_tensor(mp, "min_p", at::kFloat, 1, device);
+    check_size(mp, "min_p", 0, rows, "rows of logits");
+  }
   if (check_values) {
     const at::Tensor t = host(temperature), k = wide_host(top_k), p = host(top_p);
     for (int64_t r = 0; r < rows; ++r) {
@@ -76,10 +82,17 @@ at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temp
       const float pv = p.data_ptr<float>()[r];
       TORCH_CHECK_VALUE(pv > 0.0f && pv <= 1.0f, "top_p[", r, "] = ", pv, " must be in (0, 1] (1 disables top-p)");
     }
+    if (mp.defined()) {
+      const at::Tensor h = host(mp);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float v = h.data_ptr<float>()[r];
+        TORCH_CHECK_VALUE(v >= 0.0f && v <= 1.0f, "min_p[", r, "] = ", v, " must be in [0, 1] (0 disables min-p)");
+      }
+    }
   }
   if (check_values) check_scaled_logits_finite(logits, temperature);
   at::Tensor probs = at::empty_like(logits);
-  if (rows > 0) kernel(logits, temperature, saturate_int32(top_k), top_p, probs);
+  if (rows > 0) kernel(logits, temperature, saturate_int32(top_k), top_p, mp, probs);
   return probs;
 }
 
@@ -280,17 +293,18 @@ namespace {
 // first: rows with is_greedy_temperature(t) get t = 0, which the CPU kernel
 // treats as greedy (the CUDA kernel calls is_greedy_temperature itself).
 void probs_from_logits_cpu_greedy_eps(const at::Tensor& logits, const at::Tensor& temperature,
-                                      const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& probs) {
+                                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                                      at::Tensor& probs) {
   const float* t = temperature.data_ptr<float>();
   const int64_t rows = temperature.numel();
   bool rewrite = false;
   for (int64_t r = 0; r < rows; ++r) rewrite = rewrite || (t[r] != 0.0f && is_greedy_temperature(t[r]));
-  if (!rewrite) return probs_from_logits_cpu(logits, temperature, top_k, top_p, probs);
+  if (!rewrite) return probs_from_logits_cpu(logits, temperature, top_k, top_p, min_p, probs);
   at::Tensor effective = temperature.clone();
   float* e = effective.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
     if (is_greedy_temperature(e[r])) e[r] = 0.0f;
-  probs_from_logits_cpu(logits, effective, top_k, top_p, probs);
+  probs_from_logits_cpu(logits, effective, top_k, top_p, min_p, probs);
 }
 
 // ---- testing hooks: the shared header's random numbers, for KAT and
@@ -345,7 +359,7 @@ bool cuda_built() {
 // Schemas: one per op; mutated arguments are marked (a!). specrt/ops.py holds
 // the documented Python wrappers and the fake (meta) kernels.
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
-  m.def("probs_from_logits(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+  m.def("probs_from_logits(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p=None, "
         "bool check_values=True) -> Tensor");
   m.def("verify_greedy(Tensor target_logits, Tensor draft_token_ids, Tensor num_draft_tokens, "
         "bool check_values=True) -> (Tensor output_token_ids, Tensor num_accepted)");
@@ -364,11 +378,11 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
 TORCH_LIBRARY_IMPL(specrt, CPU, m) {
   using at::Tensor;
   using specrt::AcceptMethod;
-  m.impl("probs_from_logits",
-         [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p, bool check) {
-           return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, check,
-                                               &specrt::probs_from_logits_cpu_greedy_eps);
-         });
+  m.impl("probs_from_logits", [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
+                                 const Tensor& top_p, const std::optional<Tensor>& min_p, bool check) {
+    return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, min_p, check,
+                                        &specrt::probs_from_logits_cpu_greedy_eps);
+  });
   m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
                              const Tensor& num_draft_tokens, bool check) {
     return specrt::verify_greedy_op(target_logits, draft_token_ids, num_draft_tokens, check,

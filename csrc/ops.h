@@ -27,9 +27,11 @@ namespace specrt {
 enum class AcceptMethod : int { kRejection = 0, kCoupled = 1 };
 
 // ---- CPU (csrc/cpu) ---------------------------------------------------------
-// probs[N,V] f32 <- logits[N,V] f32; temperature[N] f32, top_k[N] i32, top_p[N] f32
+// probs[N,V] f32 <- logits[N,V] f32; temperature[N] f32, top_k[N] i32, top_p[N] f32,
+// min_p[N] f32 or an undefined tensor (no min-p)
 void probs_from_logits_cpu(const at::Tensor& logits, const at::Tensor& temperature,
-                           const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& probs);
+                           const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                           at::Tensor& probs);
 // output_token_ids[B,K+1] i32 (pre-filled by the kernel, -1 padded), num_accepted[B] i32
 void verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
                        const at::Tensor& num_draft_tokens, at::Tensor& output_token_ids,
@@ -54,7 +56,8 @@ void write_kv_cpu(at::Tensor& cache, int64_t layer, const at::Tensor& k, const a
 // Same contracts. No host synchronisation; launched on the current stream;
 // every launch checked with C10_CUDA_KERNEL_LAUNCH_CHECK().
 void probs_from_logits_cuda(const at::Tensor& logits, const at::Tensor& temperature,
-                            const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& probs);
+                            const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                            at::Tensor& probs);
 void verify_greedy_cuda(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
                         const at::Tensor& num_draft_tokens, at::Tensor& output_token_ids,
                         at::Tensor& num_accepted);
@@ -74,7 +77,7 @@ void write_kv_cuda(at::Tensor& cache, int64_t layer, const at::Tensor& k, const 
 // ---- op bodies (csrc/bindings.cpp) -----------------------------------------
 // Kernel types: the *_cpu and *_cuda functions above (or a backend wrapper).
 using ProbsFromLogitsKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                       at::Tensor&);
+                                       const at::Tensor&, at::Tensor&);
 using VerifyGreedyKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                     at::Tensor&);
 using RejectionSampleKernel = void (*)(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
@@ -87,7 +90,8 @@ using WriteKvKernel = void (*)(at::Tensor&, int64_t, const at::Tensor&, const at
 
 // Schemas and argument meaning: csrc/bindings.cpp and specrt/ops.py.
 at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                                const at::Tensor& top_p, bool check_values, ProbsFromLogitsKernel kernel);
+                                const at::Tensor& top_p, const std::optional<at::Tensor>& min_p, bool check_values,
+                                ProbsFromLogitsKernel kernel);
 std::tuple<at::Tensor, at::Tensor> verify_greedy_op(const at::Tensor& target_logits,
                                                     const at::Tensor& draft_token_ids,
                                                     const at::Tensor& num_draft_tokens, bool check_values,

@@ -20,6 +20,12 @@ MAX_DRAFT_LENGTH = 64
 MAX_BATCH_SIZE = 65536
 MAX_BLOCK_SIZE = 1024
 MAX_ACCEPTANCE_WINDOW = 65536
+PENALTY_RANGE = 2.0                         # presence / frequency penalties lie in [-2, 2] (OpenAI)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)    # outside it a logit is all but erased or frozen: typos
+LOGIT_BIAS_RANGE = 100.0                    # OpenAI: a bias lies in [-100, 100]
+MAX_LOGPROBS = 20                           # top log-probabilities per token (OpenAI chat's top_logprobs)
+MAX_TOKEN_LIST = 1 << 20                    # entries of logit_bias / allowed_token_ids / bad_words_ids
+MAX_BAD_WORD_TOKENS = 64                    # tokens of one banned sequence
 
 
 def _is_int(x) -> bool:
@@ -42,12 +48,26 @@ def _check_bool(name: str, value) -> None:
 
 @dataclass
 class SamplingParams:
-    """How one request samples. temperature 0 is greedy (top_k/top_p then do nothing).
+    """How one request samples. temperature 0 is greedy (top_k/top_p/min_p then do nothing).
 
     top_k 0 (or -1) disables top-k; a top_k at or above the vocabulary size keeps every token,
     the same as 0 (the kernels' contract), so any value up to 2**31 - 1 is accepted. top_p 1.0
-    disables top-p. seed None draws a seed once at admission; a fixed seed makes the output
+    disables top-p. min_p (0 = off) keeps the tokens whose probability is at least min_p times
+    the largest. seed None draws a seed once at admission; a fixed seed makes the output
     reproducible (token-identical to autoregressive sampling under ``acceptance="coupled"``).
+
+    Logit controls (specrt.controls; every position a step verifies or drafts sees the tokens
+    before it, drafts included, exactly as an autoregressive step would):
+    repetition_penalty (HF / vLLM, 1 = off) divides the positive logits and multiplies the
+    negative ones of every token in the prompt or the output so far; presence_penalty and
+    frequency_penalty (OpenAI, in [-2, 2], 0 = off) subtract ``presence + count * frequency``
+    from the logit of every token generated ``count > 0`` times (the prompt does not count);
+    logit_bias {token id: bias in [-100, 100]} is added first; allowed_token_ids keeps only
+    those tokens; bad_words_ids bans sequences (transformers' ``bad_words_ids``: a one-token
+    sequence is never emitted, a longer one never completed after its other tokens).
+    logprobs: None, or return the log-probability of every generated token and the ``logprobs``
+    most likely alternatives (0..20); prompt_logprobs: the same for the prompt's tokens (the
+    model's own log-softmax there). See specrt.controls for the exact definitions.
     """
 
     temperature: float = 1.0
@@ -58,6 +78,15 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     stop: list[str] | str | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -77,6 +106,44 @@ class SamplingParams:
         self.stop = self._check_stop(self.stop)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        self.min_p = _real_in("min_p", self.min_p, 0.0, 1.0, " (0 disables it)")
+        lo, hi = REPETITION_PENALTY_RANGE
+        self.repetition_penalty = _real_in("repetition_penalty", self.repetition_penalty, lo, hi, " (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _real_in(name, getattr(self, name), -PENALTY_RANGE, PENALTY_RANGE, " (0 disables it)"))
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _check_allowed(self.allowed_token_ids)
+        self.bad_words_ids = _check_bad_words(self.bad_words_ids)
+        if self.allowed_token_ids is not None and self.bad_words_ids:
+            banned = {w[0] for w in self.bad_words_ids if len(w) == 1}
+            if banned.issuperset(self.allowed_token_ids):
+                raise ValueError("bad_words_ids bans every token of allowed_token_ids: no token could be emitted")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, " (or None: no log-probabilities)")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field if a token id of a control lies outside the vocabulary."""
+        lists = (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                 ("bad_words_ids", [max(w) for w in self.bad_words_ids or ()]))
+        for name, ids in lists:
+            top = max(ids, default=-1)
+            if top >= vocab_size:
+                raise ValueError(f"{name}: token id {top} is out of range for the vocabulary of {vocab_size} tokens")
+
+    @property
+    def has_penalties(self) -> bool:
+        """A penalty or bias that the apply_penalties op applies."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Anything that changes the logits before the sampling transform (min_tokens aside)."""
+        return self.has_penalties or self.allowed_token_ids is not None or bool(self.bad_words_ids)
 
     @staticmethod
     def _check_stop(stop) -> list[str]:
@@ -96,6 +163,54 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _real_in(name: str, value, lo: float, hi: float, note: str = "") -> float:
+    if not _is_real(value) or not math.isfinite(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be a finite number in [{lo:g}, {hi:g}]{note}, got {value!r:.60}")
+    return float(value)
+
+
+def _token_id(name: str, t) -> int:
+    if not _is_int(t) or not 0 <= t <= INT32_MAX:
+        raise ValueError(f"{name} must hold token ids (integers >= 0), got {t!r:.60}")
+    return t
+
+
+def _check_logit_bias(bias) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict {{token id: bias}}, got {type(bias).__name__}")
+    if len(bias) > MAX_TOKEN_LIST:
+        raise ValueError(f"logit_bias may hold at most {MAX_TOKEN_LIST} tokens, got {len(bias)}")
+    return {_token_id("logit_bias", t): _real_in(f"logit_bias[{t}]", b, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+            for t, b in bias.items()}
+
+
+def _check_allowed(ids) -> list[int] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (or None), got {ids!r:.60}")
+    if len(ids) > MAX_TOKEN_LIST:
+        raise ValueError(f"allowed_token_ids may hold at most {MAX_TOKEN_LIST} tokens, got {len(ids)}")
+    return sorted({_token_id("allowed_token_ids", t) for t in ids})
+
+
+def _check_bad_words(words) -> list[list[int]]:
+    if words is None:
+        return []
+    if not isinstance(words, (list, tuple)) or len(words) > MAX_TOKEN_LIST:
+        raise ValueError(f"bad_words_ids must be a list of at most {MAX_TOKEN_LIST} token-id sequences, "
+                         f"got {words!r:.60}")
+    out = []
+    for w in words:
+        if not isinstance(w, (list, tuple)) or not 1 <= len(w) <= MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words_ids must hold non-empty lists of at most {MAX_BAD_WORD_TOKENS} token ids, "
+                             f"got {w!r:.60}")
+        out.append([_token_id("bad_words_ids", t) for t in w])
+    return out
 
 
 @dataclass

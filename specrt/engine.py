@@ -31,7 +31,7 @@ from specrt.intake import RequestIntake
 from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.verify import VerifyResult, accept, build_verify_batch, to_host
+from specrt.verify import VerifyResult, accept, build_verify_batch, commit_logprobs, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +194,10 @@ class LLMEngine:
             vb = build_verify_batch(batch, proposal, self.kv, self.device)
             logits, _ = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
                                     logits_indices=vb.logits_indices)                           # [R, V]
-            tokens, accepted = accept(vb, logits, self.spec.acceptance if self.speculative else None,
-                                      self.eos_token_ids)                                       # [B, K+1], [B]
+            verified = accept(vb, logits, self.spec.acceptance if self.speculative else None,
+                              self.eos_token_ids)                                               # [B, K+1], [B]
             pre, pre_s = self._pre_draft(batch, ks, proposal)   # overlap: the next round, on the draft stream
-            result = to_host(tokens, accepted, pre)             # the step's one device->host sync
+            result = to_host(vb, verified, pre)                 # the step's one device->host sync
         except Exception:
             self.scheduler.restore(saved)
             raise
@@ -317,7 +317,8 @@ class LLMEngine:
         share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
         r.stats.record(n, a, len(emitted), share, verify_share, hidden_s)
         self.metrics.record_step(r.tag, L, n, a, len(emitted), share, verify_share, hidden_s)
-        reason = r.append_tokens(emitted, self.eos_token_ids, self.max_model_len, self.tokenizer.decode)
+        reason = r.append_tokens(emitted, self.eos_token_ids, self.max_model_len, self.tokenizer.decode,
+                                 commit_logprobs(r, b, result))
         if reason is not None:
             self._finish(r, reason)
         else:

@@ -67,6 +67,7 @@ class RequestIntake:
     def _check_one(self, prompt, params, request_id, tag: str, in_use) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.check_token_ids(self.model_config.vocab_size)
         token_ids, text = tokenize_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is required")

@@ -118,33 +118,104 @@ def _float_input(t, name: str) -> torch.Tensor:
 
 
 @torch.library.register_fake("specrt::probs_from_logits")
-def _probs_from_logits_fake(logits, temperature, top_k, top_p, check_values=True):
+def _probs_from_logits_fake(logits, temperature, top_k, top_p, min_p=None, check_values=True):
     torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got shape {list(logits.shape)}")
     return torch.empty_like(logits)
 
 
-def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p,
+def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p=None,
                       check_values: bool | None = None) -> torch.Tensor:
-    """The one sampling transform: temperature -> top-k -> softmax -> top-p -> renormalise.
+    """The one sampling transform: temperature -> top-k -> softmax -> min-p -> top-p -> renormalise.
 
     Shape: logits [N, V] (any float dtype), temperature [N] (below
     ``TEMPERATURE_EPS`` = 1e-5, 0 included: greedy), top_k [N] (0 = off),
-    top_p [N] in (0, 1] (1 = off).
+    top_p [N] in (0, 1] (1 = off), min_p [N] in [0, 1] or None (0 = off).
     Returns: probs [N, V] float32. Greedy rows are one-hot at the argmax
     (NaN counts as -inf, ties to the lowest index). Ties at the top-k / top-p
-    threshold are kept. Draft and target rows of a request must get the same
-    parameters, or acceptance silently drops.
+    threshold are kept. min-p keeps every token whose probability is at least
+    min_p times the largest (on the softmax numerators exp(x/t - max), which
+    are >= min_p exactly then); top-k and min-p commute, top-p cuts the row
+    renormalised after both. Draft and target rows of a request must get the
+    same parameters, or acceptance silently drops.
 
     Example:
-        >>> probs = ops.probs_from_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]))
+        >>> probs = ops.probs_from_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]),
+        ...                               min_p=torch.tensor([0.05]))
     """
     logits = _float_input(logits, "logits")
     temperature = _as(temperature, "temperature", torch.float32, logits)
     top_k = _as(top_k, "top_k", torch.int32, logits)
     top_p = _as(top_p, "top_p", torch.float32, logits)
+    if min_p is not None:
+        min_p = _as(min_p, "min_p", torch.float32, logits)
     _has_kernels(logits, "logits")
-    return torch.ops.specrt.probs_from_logits(logits, temperature, top_k, top_p,
+    return torch.ops.specrt.probs_from_logits(logits, temperature, top_k, top_p, min_p,
                                               _check_values(logits, check_values))
+
+
+@torch.library.register_fake("specrt::apply_penalties")
+def _apply_penalties_fake(logits, row_request, row_offset, draft_token_ids, entry_start, entry_token, entry_count,
+                          entry_in_prompt, entry_bias, repetition_penalty, frequency_penalty, presence_penalty,
+                          check_values=True):
+    return None
+
+
+def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_ids, entry_start, entry_token,
+                    entry_count, entry_in_prompt, entry_bias, repetition_penalty, frequency_penalty,
+                    presence_penalty, check_values: bool | None = None) -> None:
+    """logit_bias and repetition / frequency / presence penalties, in place, for every row at once.
+
+    Row r belongs to request b = row_request[r] and follows i = row_offset[r] of its draft
+    tokens: its history is what request b's entries describe plus draft_token_ids[b, :i], so
+    every verified (or drafted) position sees exactly the tokens an autoregressive step would.
+    Request b's entries are ``entry_start[b]:entry_start[b+1]``: strictly increasing tokens, each
+    with its generated count (prompt excluded), an in-prompt flag and a bias. For each token with
+    count c (generated before the row, drafts included) the logit x becomes
+    ``x + bias``; then, if it is in the prompt or c > 0, ``x < 0 ? x * rp : x / rp``; then, if
+    c > 0, ``(x - fp * c) - pp`` (csrc/include/specrt/penalties.h). Other logits are untouched:
+    a row costs O(entries + drafts), not O(V).
+
+    Shape: logits [R, V] float32 (mutated), row_request [R], row_offset [R] (0..K),
+    draft_token_ids [B, K], entry_start [B+1] int64, entry_token / entry_count / entry_in_prompt
+    (bool) / entry_bias (float32) [E], repetition_penalty / frequency_penalty / presence_penalty
+    [B] float32 (1, 0, 0 = off).
+
+    Example:
+        >>> ops.apply_penalties(logits, [0, 0], [0, 1], drafts, [0, 2], [3, 9], [1, 0], [False, True], [0.0, -5.0],
+        ...                     [1.2], [0.5], [0.1])     # logits [2, V]: request 0 at its draft positions 0 and 1
+    """
+    logits = _tensor(logits, "logits")
+    if logits.dtype != torch.float32:
+        raise TypeError(f"logits must be a float32 tensor (it is modified in place), got {logits.dtype}")
+    row_request = _as(row_request, "row_request", torch.int32, logits)
+    row_offset = _as(row_offset, "row_offset", torch.int32, logits)
+    draft_token_ids = _as(draft_token_ids, "draft_token_ids", torch.int32, logits)
+    entry_start = _as(entry_start, "entry_start", torch.int64, logits)
+    entry_token = _as(entry_token, "entry_token", torch.int32, logits)
+    entry_count = _as(entry_count, "entry_count", torch.int32, logits)
+    entry_in_prompt = _bool(entry_in_prompt, "entry_in_prompt", logits)
+    entry_bias = _as(entry_bias, "entry_bias", torch.float32, logits)
+    penalties = [_as(t, name, torch.float32, logits) for t, name in (
+        (repetition_penalty, "repetition_penalty"), (frequency_penalty, "frequency_penalty"),
+        (presence_penalty, "presence_penalty"))]
+    _has_kernels(logits, "logits")
+    torch.ops.specrt.apply_penalties(logits, row_request, row_offset, draft_token_ids, entry_start, entry_token,
+                                     entry_count, entry_in_prompt, entry_bias, *penalties,
+                                     _check_values(logits, check_values))
+
+
+def _bool(t, name: str, like: torch.Tensor) -> torch.Tensor:
+    if t is None:
+        raise ValueError(f"{name} must be a tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        try:
+            t = torch.as_tensor(t, dtype=torch.bool)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"{name} must be a tensor or a list of booleans: {exc}") from None
+    if t.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {t.dtype}")
+    _same_device(t, name, like)
+    return t.contiguous()
 
 
 def _tokens_and_counts(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -142,12 +142,14 @@ def argmax_nan_low(x: torch.Tensor) -> torch.Tensor:
 # The ops
 # --------------------------------------------------------------------------- #
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """temperature -> top-k -> softmax -> top-p -> renormalise, per row.
+                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """temperature -> top-k -> softmax -> min-p -> top-p -> renormalise, per row.
 
     temperature below TEMPERATURE_EPS (0 included): one-hot at the argmax (NaN as -inf, ties
     to the lowest index); dividing by a tinier temperature would overflow float32.
     top_k 0 or >= V: off; otherwise keep every logit >= the k-th largest (ties kept).
+    min_p 0 (or None): off; otherwise keep every token with exp(x / t - max) >= min_p, i.e.
+    probability >= min_p * the largest probability.
     top_p 1: off; otherwise keep every prob >= the prob at which the descending
     cumulative sum first reaches top_p (ties kept), then renormalise.
     NaN logits count as -inf; a row with no finite logit becomes one-hot at its argmax.
@@ -158,6 +160,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
         t = float(torch.as_tensor(temperature[row]).to(torch.float32))   # the kernels read float32
         k = int(top_k[row])
         p_top = float(top_p[row])
+        m_p = 0.0 if min_p is None else float(torch.as_tensor(min_p[row]).to(torch.float32))
         x = logits[row].to(torch.float32)
         x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
         if not t >= TEMPERATURE_EPS or not bool(torch.isfinite(x.max())):
@@ -168,6 +171,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             kth = torch.sort(x, descending=True).values[k - 1]
             x = torch.where(x >= kth, x, torch.full_like(x, float("-inf")))
         e = torch.exp(x - x.max())
+        if m_p > 0.0:
+            e = torch.where(e >= m_p, e, torch.zeros_like(e))
         p = e / e.sum()
         if p_top < 1.0:
             sorted_p = torch.sort(p, descending=True).values
@@ -178,6 +183,38 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             p = p / p.sum()
         out[row] = p
     return out
+
+
+def penalized_logit(x: torch.Tensor, bias, repetition_penalty, in_prompt: bool, count: int, frequency_penalty,
+                    presence_penalty) -> torch.Tensor:
+    """specrt::penalized_logit (csrc/include/specrt/penalties.h), float32 op for op."""
+    f = lambda v: torch.as_tensor(v, dtype=torch.float32)   # noqa: E731
+    x = f(x) + f(bias)
+    if in_prompt or count > 0:
+        x = torch.where(x < 0, x * f(repetition_penalty), x / f(repetition_penalty))
+    if count > 0:
+        x = (x - f(frequency_penalty) * f(float(count))) - f(presence_penalty)
+    return x
+
+
+def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_ids, entry_start, entry_token,
+                    entry_count, entry_in_prompt, entry_bias, repetition_penalty, frequency_penalty,
+                    presence_penalty) -> None:
+    """In place: row r (request b = row_request[r], after i = row_offset[r] drafts) gets, for every
+    token its history touches, penalized_logit with count = generated count + occurrences in
+    draft_token_ids[b, :i], in_prompt from the entries and the entry's bias (0 for a draft token
+    that has no entry)."""
+    for r in range(logits.shape[0]):
+        b, i = int(row_request[r]), int(row_offset[r])
+        s, e = int(entry_start[b]), int(entry_start[b + 1])
+        table = {int(entry_token[x]): (int(entry_count[x]), bool(entry_in_prompt[x]), float(entry_bias[x]))
+                 for x in range(s, e)}
+        for d in [int(t) for t in draft_token_ids[b, :i]]:
+            c, p, bias = table.get(d, (0, False, 0.0))
+            table[d] = (c + 1, p, bias)
+        for t, (c, p, bias) in table.items():
+            logits[r, t] = penalized_logit(logits[r, t], bias, repetition_penalty[b], p, c, frequency_penalty[b],
+                                           presence_penalty[b])
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple
 
 from specrt.config import SamplingParams
+from specrt.controls import TokenLogprob
 from specrt.metrics import RequestStats
 from specrt.policy import RequestPolicyState
 
@@ -51,9 +52,11 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)   # streaming: tokens added by the last step
     new_text: str = ""
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None          # per generated token (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, the first None
 
 
-@dataclass
+@dataclass(eq=False)      # compared by identity: deque.remove / `in` must not compare every field
 class Request:
     request_id: Hashable
     prompt_token_ids: list[int]
@@ -77,6 +80,9 @@ class Request:
     drafter_state: object | None = None   # the drafter's own record for this request (its type is the drafter's)
     evidence_class: int | None = None     # what the drafter's current proposal rests on (n-gram: the
                                           # matched suffix length); the budget policy pools acceptance by it
+    controls_state: object | None = None  # specrt.controls.ControlState: history for penalties and bans
+    output_logprobs: list[TokenLogprob] | None = None         # [num_generated] when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [len(prompt)] once computed (prompt_logprobs)
 
     @property
     def token_ids(self) -> list[int]:
@@ -101,14 +107,22 @@ class Request:
                              token_ids=list(self.output_token_ids), finished=self.finished,
                              finish_reason=self.finish_reason, metrics=self.stats.summary(),
                              new_token_ids=list(self.output_token_ids[prev_tokens:]),
-                             new_text=self.text[prev_text:], error=self.error)
+                             new_text=self.text[prev_text:], error=self.error,
+                             logprobs=None if self.output_logprobs is None else list(self.output_logprobs),
+                             prompt_logprobs=self.prompt_logprobs)
 
-    def append_tokens(self, emitted: list[int], eos_token_ids: list[int], max_model_len: int, decode) -> str | None:
-        """Append this step's tokens up to the first stop; returns the finish reason ("stop",
-        "length") or None. ``decode(token_ids) -> str`` renders the text (cut before a stop string)."""
+    def append_tokens(self, emitted: list[int], eos_token_ids: list[int], max_model_len: int, decode,
+                      logprobs: list[TokenLogprob] | None = None) -> str | None:
+        """Append this step's tokens (and their ``logprobs``) up to the first stop; returns the finish
+        reason ("stop", "length") or None. ``decode(token_ids) -> str`` renders the text (cut before
+        a stop string)."""
         p, reason = self.params, None
-        for t in emitted:
+        for j, t in enumerate(emitted):
             self.output_token_ids.append(t)
+            if logprobs is not None:
+                if self.output_logprobs is None:
+                    self.output_logprobs = []
+                self.output_logprobs.append(logprobs[j])
             if t in eos_token_ids and not p.ignore_eos and self.num_generated >= p.min_tokens:
                 reason = "stop"
                 break

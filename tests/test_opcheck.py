@@ -14,7 +14,7 @@ from _cases import gen, random_rows, seeds_positions  # noqa: E402  (tests/ on s
 
 SPECRT = torch.ops.specrt
 OPS = ("probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "copy_blocks", "write_kv",
-       "uniform_noise", "log_det")
+       "uniform_noise", "log_det", "apply_penalties")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.cuda_built()), reason="needs a CUDA GPU and a CUDA build of specrt"))]
 B, K, V = 3, 2, 11
@@ -49,8 +49,9 @@ def _cases(device: str) -> dict[str, list[tuple]]:
     cache = torch.randn(3, 2, 5, 2, 2, 4, generator=g).to(dev)
     kv = torch.randn(4, 2, 4, generator=g).to(dev)
     cases = {
-        "probs_from_logits": [(flat, temperature, top_k, top_p, True),
-                              (flat.clone().requires_grad_(), temperature, top_k.long(), top_p, False)],
+        "probs_from_logits": [(flat, temperature, top_k, top_p, None, True),
+                              (flat.clone().requires_grad_(), temperature, top_k.long(), top_p, None, False),
+                              (flat, temperature, top_k, top_p, torch.tensor([0.0, 0.1, 0.5] * B, device=dev), True)],
         "verify_greedy": [(logits, ids, counts, True), (logits, ids.long(), counts.to(torch.int16), False)],
         "rejection_sample": [(p, q, ids, counts, seeds, positions, "rejection", True),
                              (p, None, ids, counts, seeds, positions, "rejection", True),
@@ -60,12 +61,21 @@ def _cases(device: str) -> dict[str, list[tuple]]:
         "copy_blocks": [(caches, torch.tensor([[0, 3], [5, 1]], device=dev), True),
                         (caches, torch.tensor([[2, 4]]), False)],                     # CPU mapping
         "write_kv": [(cache, 1, kv, kv * 2, torch.tensor([0, -1, 9, 4], device=dev), True)],
+        "apply_penalties": [_penalty_args(flat, ids, dev, True), _penalty_args(flat, ids.long(), dev, False)],
     }
     if device == "cpu":   # testing hooks: CPU only
         index = torch.tensor([0, 1, 2**31 - 1])
         cases["uniform_noise"] = [(seeds, positions, 2, index)]
         cases["log_det"] = [(torch.rand(7, generator=g) + 1e-3,)]
     return cases
+
+
+def _penalty_args(flat, ids, dev, check):
+    """apply_penalties over the [B*(K+1), V] rows of _step_inputs: row (b, i) after b's drafts [:i]."""
+    t = lambda x, dtype=None: torch.tensor(x, dtype=dtype, device=dev)   # noqa: E731
+    return (flat.clone(), t([b for b in range(B) for _ in range(K + 1)]), t(list(range(K + 1)) * B), ids,
+            t([0, 2, 2, 3]), t([1, 4, 6], torch.int32), t([2, 0, 1], torch.int32), t([False, True, True]),
+            t([0.5, 0.0, -1.0]), t([1.3, 1.0, 0.8]), t([0.2, 0.0, 0.5]), t([0.1, 0.0, -0.3]), check)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -82,7 +92,8 @@ def test_every_op_has_a_schema_and_mutations_are_declared():
     for name in OPS:
         schema = getattr(SPECRT, name).default._schema
         mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert mutated == {"copy_blocks": ["caches"], "write_kv": ["cache"]}.get(name, []), (name, str(schema))
+        assert mutated == {"copy_blocks": ["caches"], "write_kv": ["cache"], "apply_penalties": ["logits"]}.get(
+            name, []), (name, str(schema))
 
 
 def test_sampling_ops_are_not_differentiable():

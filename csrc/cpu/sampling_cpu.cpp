@@ -63,8 +63,8 @@ bool greedy_temperature(float temperature) { return temperature == 0.0f; }
 // One row of probs_from_logits; `scratch` is working space. Each pass is one of
 // csrc/cpu/probs.h on the chosen instruction set; the thresholds come from
 // csrc/cpu/probs_select.h (no sort of the row).
-void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k, float top_p, int64_t vocab,
-               float* out, std::vector<float>& scratch) {
+void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k, float top_p, float min_p,
+               int64_t vocab, float* out, std::vector<float>& scratch) {
   const int64_t best = argmax(isa, logits, vocab);
   const float max_logit = logits[best] != logits[best] ? -INFINITY : logits[best];
   if (greedy_temperature(temperature) || !std::isfinite(max_logit)) {
@@ -77,7 +77,9 @@ void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k
   float floor = -INFINITY;
   if (top_k > 0 && top_k < vocab) floor = kth_largest(isa, logits, vocab, top_k, scratch) / temperature;
   // softmax (NaN logits count as -inf and get 0)
-  const double sum = softmax_numerators(isa, logits, vocab, temperature, max_logit / temperature, floor, out);
+  double sum = softmax_numerators(isa, logits, vocab, temperature, max_logit / temperature, floor, out);
+  // min-p (specrt/sampling.h, min_p_drops): numerators below min_p become 0
+  if (min_p > 0.0f) sum = keep_at_least(isa, out, vocab, min_p);
   divide(isa, out, vocab, static_cast<float>(sum));
   // top-p: keep every prob >= the prob where the descending cumsum reaches top_p
   if (top_p < 1.0f) {
@@ -89,19 +91,20 @@ void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k
 }  // namespace
 
 void probs_from_logits_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                           const at::Tensor& top_p, at::Tensor& probs) {
+                           const at::Tensor& top_p, const at::Tensor& min_p, at::Tensor& probs) {
   const int64_t rows = logits.size(0);
   const int64_t vocab = logits.size(1);
   const float* x = logits.data_ptr<float>();
   const float* t = temperature.data_ptr<float>();
   const int32_t* k = top_k.data_ptr<int32_t>();
   const float* p = top_p.data_ptr<float>();
+  const float* mp = min_p.defined() ? min_p.data_ptr<float>() : nullptr;
   float* out = probs.data_ptr<float>();
   const CpuIsa isa = cpu_isa();
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch;
     for (int64_t r = lo; r < hi; ++r)
-      probs_row(isa, x + r * vocab, t[r], k[r], p[r], vocab, out + r * vocab, scratch);
+      probs_row(isa, x + r * vocab, t[r], k[r], p[r], mp ? mp[r] : 0.0f, vocab, out + r * vocab, scratch);
   });
 }
 

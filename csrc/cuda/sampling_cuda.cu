@@ -302,7 +302,8 @@ __device__ void select_digit_by_sum(ProbsShared& sh, double above_sum, float top
 //        non-finite max: write the one-hot row and stop.
 //     2. top-k (0 < k < V): 4 radix passes (8-bit digits, 256 shared counters)
 //        find the k-th largest x/t; kept = x/t >= it (ties kept).
-//     3. S = sum(exp(x/t - m)) over kept (fixed-order block reduction).
+//     3. S = sum(exp(x/t - m)) over kept (fixed-order block reduction); min-p
+//        drops the numerators exp(x/t - m) < min_p (min_p_drops).
 //     4. probs = exp(x/t - m) / S (0 where not kept).
 //     5. top-p (< 1): 4 radix passes over the written probs with per-bin
 //        (sum, count) find tau = the largest p with sum(p' >= p) >= top_p
@@ -312,7 +313,7 @@ template <bool kVec>
 __global__ void __launch_bounds__(kProbsThreads)
     probs_from_logits_kernel(const float* __restrict__ logits, const float* __restrict__ temperature,
                              const int32_t* __restrict__ top_k, const float* __restrict__ top_p,
-                             float* probs, int64_t V) {
+                             const float* __restrict__ min_p, float* probs, int64_t V) {
   __shared__ ProbsShared sh;
   const int64_t row = blockIdx.x;
   const float* x = logits + row * V;
@@ -356,11 +357,14 @@ __global__ void __launch_bounds__(kProbsThreads)
     kth = key_to_float(prefix);
   }
   // NaN / t is NaN and NaN >= kth is false: NaN logits behave as -inf (dropped
-  // by top-k, exp -> 0 otherwise), exactly like the reference.
+  // by top-k, exp -> 0 otherwise), exactly like the reference. min-p drops the
+  // numerators below min_p (the largest is exp(0) = 1; specrt/sampling.h).
+  const float mp = min_p != nullptr ? min_p[row] : 0.0f;
   auto scaled_exp = [&](float val) -> float {
     const float xs = val / t;
     if (!(xs >= kth)) return 0.0f;  // masked to -inf by top-k (or NaN)
-    return expf(xs - m);            // exp(-inf) == 0
+    const float e = expf(xs - m);   // exp(-inf) == 0
+    return min_p_drops(e, mp) ? 0.0f : e;
   };
 
   // 3. softmax normaliser (double accumulation like the CPU kernel, then float)
@@ -712,7 +716,7 @@ unsigned finalize_blocks_for_warps(int64_t n) {
 }  // namespace
 
 void probs_from_logits_cuda(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                            const at::Tensor& top_p, at::Tensor& probs) {
+                            const at::Tensor& top_p, const at::Tensor& min_p, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t N = logits.size(0);
   const int64_t V = logits.size(1);
@@ -722,13 +726,14 @@ void probs_from_logits_cuda(const at::Tensor& logits, const at::Tensor& temperat
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
   const float* x = logits.data_ptr<float>();
   float* out = probs.data_ptr<float>();
+  const float* mp = min_p.defined() ? min_p.data_ptr<float>() : nullptr;
   const bool vec = vec_ok(V, {x, out});
   if (vec) {
     probs_from_logits_kernel<true><<<static_cast<unsigned>(N), kProbsThreads, 0, stream>>>(
-        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), out, V);
+        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), mp, out, V);
   } else {
     probs_from_logits_kernel<false><<<static_cast<unsigned>(N), kProbsThreads, 0, stream>>>(
-        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), out, V);
+        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), mp, out, V);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -862,11 +867,11 @@ void sample_tokens_cuda(const at::Tensor& probs, const at::Tensor& seeds, const 
 
 TORCH_LIBRARY_IMPL(specrt, CUDA, m) {
   using at::Tensor;
-  m.impl("probs_from_logits",
-         [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k, const Tensor& top_p, bool check) {
-           return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, check,
-                                               &specrt::probs_from_logits_cuda);
-         });
+  m.impl("probs_from_logits", [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
+                                 const Tensor& top_p, const std::optional<Tensor>& min_p, bool check) {
+    return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, min_p, check,
+                                        &specrt::probs_from_logits_cuda);
+  });
   m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
                              const Tensor& num_draft_tokens, bool check) {
     return specrt::verify_greedy_op(target_logits, draft_token_ids, num_draft_tokens, check,

@@ -19,7 +19,7 @@ from specrt import ops
 from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, StopRule
-from specrt.sampling import mask_eos, param_rows
+from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
 
 class ModelDrafter(Drafter):
@@ -109,10 +109,12 @@ class ModelDrafter(Drafter):
         return torch.cuda.stream(self._stream)
 
     def _forward(self, reqs, input_ids: torch.Tensor, seq_lens: list[int], query_lens: list[int],
-                 out_index: list[int], host_ids: list[int] | None = None):
+                 out_index: list[int], host_ids: list[int] | None = None, history: tuple | None = None):
         """One batched draft forward; returns (q [rows, V] f32, logits [rows, V], hidden or None) at each
         row's last position. ``host_ids``: the rows' tokens when they may recompute blocks shared
-        between requests (catch-up over a target-only prefix): each shared slot is then written once."""
+        between requests (catch-up over a target-only prefix): each shared slot is then written once.
+        ``history`` (BatchControls, rows' batch indices, rows' draft offsets, drafts [B, W]): the
+        logit controls, each row seeing its request's drafts before it (None: no request has any)."""
         dev, kv = self.settings.device, self.kv
         positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
                                  dtype=torch.int64).to(dev, non_blocking=True)
@@ -124,11 +126,12 @@ class ModelDrafter(Drafter):
                                     return_hidden=self.accept_head is not None)
         logits = self.target_logits(logits)
         params = [r.params for r in reqs]
+        if history is not None:      # the same controls as the target's rows (the stop rule sees them too)
+            apply_controls(logits, *history)
         mask_eos(logits, params, out_index, self.settings.eos_token_ids)
         if self.draft_params is not None:
             params = [self.draft_params(p) for p in params]
-        temps, topk, topp = param_rows(params, [1] * len(reqs), dev)
-        return ops.probs_from_logits(logits, temps, topk, topp, check_values=False), logits, hidden
+        return probs_from_logits(logits, param_rows(params, [1] * len(reqs), dev)), logits, hidden
 
     def _sample(self, q: torch.Tensor, reqs, positions: list[int]) -> torch.Tensor:
         """Draft tokens [rows] int32: DRAFT noise (rejection) or the target's own TARGET noise (coupled)."""
@@ -158,6 +161,7 @@ class ModelDrafter(Drafter):
                     draft_probs[b, :ks[b]] = pre.draft_probs
                 n_draft[b], fed_until[b], stopped[b] = ks[b], r.draft_cached, True
         cost = DraftCost()
+        ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
         for j in range(kmax):
             rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
@@ -174,8 +178,9 @@ class ModelDrafter(Drafter):
                 sel = torch.tensor([prev_rows.index(b) for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
                 input_ids = prev.index_select(0, sel).long()
                 seq_lens, query_lens = [r.context_len + j for r in reqs], [1] * len(rows)
+            history = None if ctl is None else (ctl, rows, [j] * len(rows), draft_ids)   # draft j follows [:j]
             q, logits, hidden = self._forward(reqs, input_ids, seq_lens, query_lens,
-                                              [r.num_generated + j for r in reqs], host_ids)     # [rows, V]
+                                              [r.num_generated + j for r in reqs], host_ids, history)  # [rows, V]
             cost.forwards += 1
             cost.tokens_fed += sum(query_lens)
             cost.attended += sum(seq_lens)
@@ -229,13 +234,17 @@ class ModelDrafter(Drafter):
             last = torch.tensor([b * width + n_of[b] - 1 for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
             feed = proposal.draft_token_ids.view(-1).index_select(0, last).long()
             base = [r.context_len + n_of[b] for b, r in zip(rows, reqs)]   # position of the bonus
+            assumed = _AssumedHistory.make(batch, proposal, rows, max(k_next), dev)
             q, _, _ = self._forward(reqs, feed, base, [1] * len(rows), [r.num_generated + n_of[b]
-                                                                         for b, r in zip(rows, reqs)])
+                                                                         for b, r in zip(rows, reqs)], None,
+                                    assumed.at(list(range(len(rows))), 0) if assumed else None)
             if self.settings.coupled:
                 guess = self._sample(q, reqs, base)        # the target's own race noise: likely the bonus
             else:
                 guess = q.argmax(-1).to(torch.int32)       # the draft's most likely bonus
             feed = guess.long()
+            if assumed:
+                assumed.append(None, 0, guess)
             active = list(range(len(rows)))
             for j in range(max(k_next)):
                 active = [i for i in active if j < k_next[i]]
@@ -243,8 +252,11 @@ class ModelDrafter(Drafter):
                 sub = [reqs[i] for i in active]
                 seq = [base[i] + 1 + j for i in active]
                 q, _, _ = self._forward(sub, feed.index_select(0, sel), seq, [1] * len(active),
-                                        [reqs[i].num_generated + n_of[rows[i]] + 1 + j for i in active])
+                                        [reqs[i].num_generated + n_of[rows[i]] + 1 + j for i in active], None,
+                                        assumed.at(active, 1 + j) if assumed else None)
                 y = self._sample(q, sub, seq)
+                if assumed:
+                    assumed.append(sel, 1 + j, y)
                 out_ids[sel, j] = y
                 if out_probs is not None:
                     out_probs[sel, j] = q
@@ -254,3 +266,39 @@ class ModelDrafter(Drafter):
         return {b: PreDraft(guess[i], out_ids[i, :k_next[i]], None if out_probs is None else out_probs[i, :k_next[i]],
                             k_next[i], base[i] + k_next[i], seconds)
                 for i, b in enumerate(rows)}
+
+
+class _AssumedHistory:
+    """Overlap: the history a pre-draft assumes for the logit controls, per request b of the batch:
+    this round's drafts [:n_b], then the guessed bonus token, then the pre-drafts so far."""
+
+    def __init__(self, ctl, tokens: torch.Tensor, rows: list[int], start: torch.Tensor, n_of: list[int]):
+        self.ctl = ctl
+        self.tokens = tokens      # [B, K + 1 + k_next] int32, -1 padded
+        self.rows = rows          # pre-drafted rows of the batch
+        self.start = start        # [len(rows)] int64: where each row's guess goes (n_b)
+        self.n_of = n_of          # [B] this round's draft counts
+
+    @staticmethod
+    def make(batch, proposal: DraftProposal, rows: list[int], k_next: int, dev) -> "_AssumedHistory | None":
+        ctl = batch_controls(batch, dev)
+        if ctl is None:
+            return None
+        width = proposal.draft_token_ids.shape[1]
+        tokens = torch.full((len(batch), width + 1 + k_next), -1, dtype=torch.int32, device=dev)
+        tokens[:, :width] = proposal.draft_token_ids
+        n_of = proposal.num_draft_tokens
+        start = torch.tensor([n_of[b] for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+        return _AssumedHistory(ctl, tokens, rows, start, n_of)
+
+    def at(self, active: list[int], step: int) -> tuple:
+        """apply_controls' history for the active pre-draft rows producing token n_b + step."""
+        return self.ctl, [self.rows[i] for i in active], [self.n_of[self.rows[i]] + step for i in active], self.tokens
+
+    def append(self, sel: torch.Tensor | None, step: int, tokens: torch.Tensor) -> None:
+        """Record the tokens [len(sel)] the selected rows (None: all) produced at n_b + step."""
+        rows = torch.tensor(self.rows, dtype=torch.int64).to(self.tokens.device, non_blocking=True)
+        start = self.start
+        if sel is not None:
+            rows, start = rows.index_select(0, sel), start.index_select(0, sel)
+        self.tokens[rows, start + step] = tokens.to(torch.int32)

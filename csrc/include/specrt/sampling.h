@@ -67,6 +67,13 @@ constexpr float kGreedyTemperature = 1e-5f;
 
 SPECRT_HOST_DEVICE bool is_greedy_temperature(float t) { return !(t >= kGreedyTemperature); }
 
+// min-p keeps token v iff p_v >= min_p * max_u p_u. On the softmax numerators
+// e_v = exp(x_v / t - max_u x_u / t), whose largest is exactly 1 (exp of 0),
+// that is e_v >= min_p: one comparison, before the normalisation, so it needs
+// no second pass over the row. min_p <= 0 (or NaN) is off; top-k keeps the
+// largest logit, so the two commute; top-p then cuts the min-p renormalised row.
+SPECRT_HOST_DEVICE bool min_p_drops(float numerator, float min_p) { return min_p > 0.0f && !(numerator >= min_p); }
+
 // Residual weight after rejecting a draft: max(p - q, 0).
 SPECRT_HOST_DEVICE float residual_weight(float p, float q) {
   const float d = p - q;
