@@ -19,6 +19,7 @@ LAYERS = [
     "specrt.ops",
     "specrt.config",
     "specrt.metrics",
+    "specrt.controls",
     "specrt.attention",
     "specrt.models",
     "specrt.kv_cache",
