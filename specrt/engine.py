@@ -236,6 +236,7 @@ class LLMEngine:
 
     def _step(self, forced_k: int | None) -> list[RequestOutput]:
         """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""
+        self._t_step0 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.fence()                         # a pre-draft still running (CUDA) before KV writes
         for r in self.scheduler.admit():                 # refused for good: the cache can never hold them
@@ -285,25 +286,30 @@ class LLMEngine:
             for r, n, a in zip(batch, proposal.num_draft_tokens, result.num_accepted):
                 self.policy.observe(r, n, a)
         step_s = time.perf_counter() - t_step
-        self._record_costs(vb, proposal, step_s - pre_s)
+        total_s = time.perf_counter() - self._t_step0    # the whole step, admission included
+        self._record_costs(vb, proposal, step_s - pre_s, total_s)
         emitted = sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch))
         if self.speculative and forced_k is None:
             self.policy.step_done(emitted, step_s)
-        self._record_samples(samples, vb, proposal, step_s)
+        self._record_samples(samples, vb, proposal, total_s)
         return [r.output(*before[i]) for i, r in enumerate(batch)]
 
     def _record_samples(self, samples: list, vb, proposal: DraftProposal, step_s: float) -> None:
         """Per request: its share of the step's time and, once plain steps were measured, what its
-        emitted tokens would have cost autoregressively (the speedup estimate's numerator): the
-        first token of each request one plain step over this batch (its prefill chunk included),
-        every further token a plain decode step's share."""
+        emitted tokens would have cost autoregressively (the speedup estimate's numerator): each
+        further token a plain decode step's share by the fit; the first token of each request one
+        plain step over this batch by the fit, or, in a step that prefills, this step's measured
+        time besides drafting (the target's prefill is what autoregressive decoding pays too)."""
         n = len(vb.num_draft_tokens)
-        ar_tokens = vb.num_query_tokens - sum(proposal.num_draft_tokens)   # what a plain step would feed
-        t_first = self.costs.ar_step_time(ar_tokens, vb.num_context_tokens, n)
-        t_next = self.costs.ar_step_time(n, vb.num_context_tokens, n) if t_first is not None else None
+        t_next = self.costs.ar_step_time(n, vb.num_context_tokens, n) if self.speculative else None
+        if t_next is not None:
+            self.metrics.info["autoregressive_step_fit"] = self.costs.plain_fit_info()
+            ar_tokens = vb.num_query_tokens - sum(proposal.num_draft_tokens)   # what a plain step feeds
+            t_first = (max(step_s - proposal.cost.seconds, 1e-9) if ar_tokens > n
+                       else self.costs.ar_step_time(ar_tokens, vb.num_context_tokens, n))
         for r, sample in samples:
             sample.step_s = step_s / n
-            if t_first is not None:
+            if t_next is not None:
                 sample.ar_est_s = (t_first + (sample.emitted - 1) * t_next) / n
             r.stats.add(sample)
             self.metrics.add(r.tag, sample)
@@ -386,16 +392,18 @@ class LLMEngine:
         pre = self.drafter.pre_draft(batch, ks, proposal, next_ks, stops)
         return pre, (time.perf_counter() - t0 if self.device.type == "cpu" else 0.0)
 
-    def _record_costs(self, vb, proposal: DraftProposal, step_s: float) -> None:
+    def _record_costs(self, vb, proposal: DraftProposal, step_s: float, total_s: float) -> None:
         """Feed the cost model: the drafting, and everything else the step cost (planning, the
         verify forward, sampling, bookkeeping) as the verify sample, marked by whether anything
-        was drafted (a multi-token verify can cost a jump over a plain decode step)."""
+        was drafted (a multi-token verify can cost a jump over a plain decode step); a steady
+        plain step's whole time (``total_s``, admission included) is an autoregressive step sample."""
         cost = proposal.cost
         draft_s = cost.measured_seconds() if cost.forwards else cost.seconds
         if cost.forwards:
             self.costs.add_draft(cost.forwards, cost.tokens_fed, cost.attended, draft_s)
         self.costs.add_verify(vb.num_query_tokens, vb.num_context_tokens, max(step_s - draft_s, 1e-9),
-                              drafted=sum(proposal.num_draft_tokens) > 0, requests=len(vb.num_draft_tokens))
+                              drafted=sum(proposal.num_draft_tokens) > 0, requests=len(vb.num_draft_tokens),
+                              step_seconds=total_s)
 
     # -- commit
     def _commit(self, batch, proposal: DraftProposal, result: VerifyResult, verify_s: float) -> list:
@@ -462,25 +470,3 @@ class LLMEngine:
         self._finished_pending = []
         return outs
 
-
-def warm_up(engine, prompts: Sequence | None = None, num_requests: int = 4, max_tokens: int = 16) -> None:
-    """Run a few requests so kernels, caches and the cost model settle before serving, then
-    calibrate the cost model (a speculative engine: the plain-step time the speedup estimate
-    needs, the costs the budget policy plans with). ``prompts`` (text or token ids: typical
-    requests) are what both run; without them, short synthetic prompts. Works on any engine with
-    LLMEngine's public API (the tensor-parallel one included); outputs and metrics are left as
-    they were only by ``calibrate`` (callers reset the metrics if they want a clean start)."""
-    if prompts:
-        runs = list(prompts)[:max(num_requests, 1)]
-    else:
-        vocab = max(min(engine.vocab_size, engine.tokenizer.vocab_size) - 1, 1)
-        runs = [[1 + (i * 7) % vocab] * 8 for i in range(num_requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for p in runs:
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        engine.add_request(ids[-max(engine.max_model_len - max_tokens - 1, 1):], params, tag="warmup")
-    while engine.has_unfinished():
-        engine.step()
-    engine.step()                     # releases the finished requests
-    if engine.speculative:
-        engine.calibrate(prompts=list(prompts) if prompts else None)

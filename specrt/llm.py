@@ -10,7 +10,8 @@ from typing import Iterator, Sequence
 
 from specrt.config import SamplingParams, SpecConfig
 from specrt.distributed import create_engine
-from specrt.engine import LLMEngine, RequestOutput, warm_up
+from specrt.engine import LLMEngine, RequestOutput
+from specrt.warmup import warm_up
 
 
 class LLM:
