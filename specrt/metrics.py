@@ -216,19 +216,17 @@ class EngineMetrics:
                                  context_len=context_len))
 
     def add(self, tag: str, sample: StepSample) -> None:
-        one = RequestStats()
-        one.add(sample)
         now = time.monotonic()
         bucket = now - now % self.BUCKET_S
+        b = length_bucket(sample.context_len)
         with self._lock:
-            self.total.merge(one)
-            self.by_tag.setdefault(tag, RequestStats()).merge(one)
-            b = length_bucket(sample.context_len)
-            self.by_length.setdefault(b, RequestStats()).merge(one)
-            self.by_group.setdefault((tag, b), RequestStats()).merge(one)
             if not self._recent or self._recent[-1][0] != bucket:
                 self._recent.append((bucket, {}))
-            self._recent[-1][1].setdefault(tag, RequestStats()).merge(one)
+            for stats in (self.total, self.by_tag.setdefault(tag, RequestStats()),
+                          self.by_length.setdefault(b, RequestStats()),
+                          self.by_group.setdefault((tag, b), RequestStats()),
+                          self._recent[-1][1].setdefault(tag, RequestStats())):
+                stats.add(sample)
             while self._recent and now - self._recent[0][0] > self.window_s + self.BUCKET_S:
                 self._recent.popleft()
 
