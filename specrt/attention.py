@@ -40,6 +40,33 @@ def _dedupe_shared_slots(slots: list[int], token_ids: list[int]) -> None:
             slots[i] = -1
 
 
+@dataclass(frozen=True)
+class KVWindow:
+    """A draft's view of a long context (StreamingLLM-style, as TriForce and MagicDec draft): the
+    first ``sinks`` positions (attention sinks) plus at least the last ``recent`` positions
+    before each new token, in whole KV blocks. The view is a shorter block table over the same
+    blocks: keys keep the positions they were written at (RoPE is applied before the write), and
+    the causal order survives because the recent blocks are contiguous up to the new tokens."""
+
+    sinks: int       # first positions always attended (rounded up to whole blocks)
+    recent: int      # positions before each new token always attended (> 0)
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0 or self.recent < 1:
+            raise ValueError(f"KVWindow needs sinks >= 0 and recent >= 1, got {self.sinks}, {self.recent}")
+
+    def view(self, seq_len: int, query_len: int, block_table: list[int], block_size: int) -> tuple[list[int], int]:
+        """(blocks the new tokens attend to, the view's sequence length) of one request whose
+        ``query_len`` new tokens end at ``seq_len``."""
+        nb = -(-seq_len // block_size)
+        keep_head = -(-self.sinks // block_size)
+        first_recent = max(seq_len - query_len - self.recent + 1, 0) // block_size
+        if first_recent <= keep_head:
+            return list(block_table[:nb]), seq_len
+        dropped = first_recent - keep_head
+        return list(block_table[:keep_head]) + list(block_table[first_recent:nb]), seq_len - dropped * block_size
+
+
 @dataclass
 class AttentionMetadata:
     """One forward call over a mixed batch of B requests, T new tokens in all.
@@ -58,6 +85,12 @@ class AttentionMetadata:
     token_request_ids: torch.Tensor | None = None  # [T] int64 request index of each row
     token_query_idx: torch.Tensor | None = None    # [T] int64 index of each row within its request
     scratch: dict = field(default_factory=dict, repr=False)  # per-call cache (attention masks), reused across layers
+    context_lens_host: list[int] | None = None     # [B] true lengths when a KVWindow view shortened seq_lens
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest request's true length (its last position + 1), whatever view it attends."""
+        return max(self.context_lens_host or self.seq_lens_host)
 
     @property
     def num_requests(self) -> int:
@@ -70,7 +103,8 @@ class AttentionMetadata:
     @staticmethod
     def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
               device=None, max_model_len: int | None = None,
-              token_ids: list[int] | None = None) -> "AttentionMetadata":
+              token_ids: list[int] | None = None, window: KVWindow | None = None,
+              write: bool = True) -> "AttentionMetadata":
         """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
 
         ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
@@ -83,6 +117,10 @@ class AttentionMetadata:
         others: the same token at the same position of the same prefix has the same KV); rows
         that share a slot with different tokens raise ValueError. Without it every slot must
         be distinct (write_kv refuses duplicates).
+
+        ``window``: the new tokens attend to that view of their context (block tables and seq_lens
+        are the view's; slots and positions stay the true ones). ``write`` False: every slot is -1
+        (the new tokens' K/V are already in the cache and are read from there).
         """
         B = len(seq_lens)
         if len(query_lens) != B or len(block_tables) != B:
@@ -108,6 +146,14 @@ class AttentionMetadata:
             q_idx.extend(range(q))
         if token_ids is not None:
             _dedupe_shared_slots(slots, token_ids)
+        if not write:
+            slots = [-1] * len(slots)
+        context_lens = None
+        if window is not None:
+            views = [window.view(s, q, bt, block_size) for s, q, bt in zip(seq_lens, query_lens, block_tables)]
+            if any(v[1] != s for v, s in zip(views, seq_lens)):
+                context_lens = [int(s) for s in seq_lens]
+                block_tables, seq_lens = [v[0] for v in views], [v[1] for v in views]
         max_blocks = max(len(bt) for bt in block_tables)
         bt_pad = [list(bt) + [-1] * (max_blocks - len(bt)) for bt in block_tables]
         qsl = [0]
@@ -128,6 +174,7 @@ class AttentionMetadata:
             query_lens=t(list(query_lens), torch.int64),
             token_request_ids=t(req_ids, torch.int64),
             token_query_idx=t(q_idx, torch.int64),
+            context_lens_host=context_lens,
         )
 
     def ensure_derived(self) -> None:

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 from specrt.config import SamplingParams, SpecConfig
 from specrt.distributed import create_engine
 from specrt.engine import LLMEngine, RequestOutput
+from specrt.warmup import warm_up
 
 
 class LLM:
@@ -68,9 +69,9 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.metrics.snapshot()
 
-    def warmup(self, num_requests: int = 4, max_tokens: int = 16) -> None:
-        """Run a few short requests so kernels, caches and the cost model settle before serving."""
-        prompts = [[1 + (i * 7) % max(self.engine.vocab_size - 1, 1)] * 8 for i in range(num_requests)]
-        self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        if self.engine.spec.policy == "budget":
-            self.engine.calibrate()
+    def warmup(self, num_requests: int = 4, max_tokens: int = 16, prompts: Sequence | None = None) -> None:
+        """Run a few requests so kernels, caches and the cost model settle before serving, and
+        calibrate the cost model (what the budget policy plans with; the plain-step time the
+        speedup estimate divides by). ``prompts``: typical requests (text or token ids) to run and
+        calibrate on (up to ``num_requests`` of them run first); without them, synthetic ones."""
+        warm_up(self.engine, prompts, num_requests, max_tokens)

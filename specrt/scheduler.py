@@ -23,7 +23,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 from specrt.config import SamplingParams
 from specrt.controls import TokenLogprob
@@ -73,6 +73,7 @@ class Request:
     error: str | None = None
     text: str = ""
     num_preemptions: int = 0
+    waited_steps: int = 0             # steps it has been waiting (admission by acceptance bounds it)
     stats: RequestStats = field(default_factory=RequestStats)
     # acceptance history (1 = accepted, 0 = rejected) of the last drafted positions, for policies
     accept_history: deque = field(default_factory=lambda: deque(maxlen=64))
@@ -150,13 +151,24 @@ class SavedRequest(NamedTuple):
 
 
 class Scheduler:
-    """FIFO admission with a batch-size cap; LIFO preemption. Owns the requests' KV blocks
-    (through the PagedKVCache: the block copies that causes are applied there)."""
+    """Admission with a batch-size cap (first come first served, or grouped by predicted
+    acceptance); LIFO preemption. Owns the requests' KV blocks (through the PagedKVCache: the
+    block copies that causes are applied there).
 
-    def __init__(self, max_batch_size: int, kv, max_draft_length: int = 0):
+    ``admission="acceptance"``: when more requests wait than the batch has room for, admit those
+    whose ``predict(request)`` (expected accepted drafts per step as a share of K) is closest to
+    the running batch's mean (to the oldest waiting request's when nothing runs), so that a step
+    verifies requests that draft alike. No request starves: one that has waited ``max_wait``
+    steps, or was preempted, is admitted before any other (first come first served among them)."""
+
+    def __init__(self, max_batch_size: int, kv, max_draft_length: int = 0, admission: str = "fifo",
+                 max_wait: int = 64, predict: Callable[[Request], float] | None = None):
         self.max_batch_size = max_batch_size
         self.kv = kv
         self.headroom = max_draft_length + 1    # slots a running request may need per step
+        self.admission = admission
+        self.max_wait = max_wait
+        self.predict = predict
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[Hashable, Request] = {}
@@ -172,11 +184,12 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """Move waiting requests to running while the batch has room and ``try_allocate`` reserves
-        their prompt. Returns the requests refused for good (finished with an error here: too big
-        for the cache, or their admission raised; the engine reports them)."""
+        their prompt, in ``admission_order``. Returns the requests refused for good (finished with
+        an error here: too big for the cache, or their admission raised; the engine reports them)."""
         refused = []
-        while self.waiting and len(self.running) < self.max_batch_size:
-            req = self.waiting[0]
+        for req in self.admission_order():
+            if len(self.running) >= self.max_batch_size:
+                break
             try:
                 ok = self.try_allocate(req)
             except Exception as e:   # noqa: BLE001 - this request's fault alone: the queue goes on
@@ -188,10 +201,30 @@ class Scheduler:
                 continue
             if not ok:
                 break
-            self.waiting.popleft()
+            if self.waiting[0] is req:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+        for req in self.waiting:
+            req.waited_steps += 1
         return refused
+
+    def admission_order(self) -> list[Request]:
+        """The waiting requests in the order admission tries them."""
+        room = self.max_batch_size - len(self.running)
+        if self.admission == "fifo" or self.predict is None or len(self.waiting) <= room or room <= 0:
+            return list(self.waiting)
+        due = [r for r in self.waiting if r.waited_steps >= self.max_wait or r.num_preemptions]
+        rest = [r for r in self.waiting if not (r.waited_steps >= self.max_wait or r.num_preemptions)]
+        if self.running:
+            ref = sum(self.predict(r) for r in self.running) / len(self.running)
+        else:
+            ref = self.predict(self.waiting[0])
+        key = {id(r): (abs(self.predict(r) - ref), i) for i, r in enumerate(rest)}
+        rest.sort(key=lambda r: key[id(r)])
+        return due + rest
 
     def try_allocate(self, req: Request) -> bool:
         """Reserve the prompt's blocks, keeping headroom for every running request's next step;

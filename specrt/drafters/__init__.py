@@ -8,11 +8,12 @@ interface (``base.Drafter``), one factory reading the ``draft=`` argument (``fac
 - ``ngram``: prompt lookup in the request's own context; no model.
 """
 from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft,
-                                  no_drafts)
+                                  PreLength, StopRule, no_drafts)
 from specrt.drafters.factory import make_drafter
-from specrt.drafters.model import ModelDrafter
+from specrt.drafters.model import ModelDrafter, module_bytes
 from specrt.drafters.ngram import NgramDrafter, NgramProposer, NgramState
 from specrt.drafters.self_draft import SelfDrafter
 
 __all__ = ["DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "Drafter", "ModelDrafter", "NgramDrafter",
-           "NgramProposer", "NgramState", "PreDraft", "SelfDrafter", "make_drafter", "no_drafts"]
+           "NgramProposer", "NgramState", "PreDraft", "PreLength", "SelfDrafter", "StopRule", "make_drafter", "module_bytes",
+           "no_drafts"]

@@ -3,9 +3,12 @@
 A drafter proposes up to K tokens per request for the target to verify. The engine calls,
 each step:
 
+    drafter.fence()                                    # before the step's KV writes (CUDA overlap)
     limits   = drafter.limit(batch, caps)              # before planning: caps it can fill
-    proposal = drafter.propose(batch, ks, limits, stop_rule)
-    pre      = drafter.pre_draft(batch, ks, proposal, next_ks)   # overlap (model drafter only)
+    proposal = drafter.propose(batch, ks, limits, stop_rule, pre_length)
+    next_ks  = drafter.reserve_pre_draft(batch, proposal, next_ks)   # overlap: slots, before the verify
+    drafter.mark_verify()                              # overlap: the pre-draft waits for what came before
+    pre      = drafter.pre_draft(batch, ks, proposal, next_ks, stop_rules)   # overlap (model, self:N)
     held     = drafter.on_commit(request, row, proposal, pre, kept)  # per request, after verify
 
 and never asks which kind it has. Draft tokens and draft probabilities are always over the
@@ -19,8 +22,12 @@ from typing import Callable, Hashable
 
 import torch
 
+from specrt.attention import KVWindow
+
 # stop_rule(request, depth, draft_prob, p_accept) -> stop drafting this request before token #depth
 StopRule = Callable[[object, int, float, "float | None"], bool]
+# pre_length(request, k, pre_draft) -> how many of a kept pre-draft's tokens to propose (None: draft afresh)
+PreLength = Callable[[object, int, "PreDraft"], "int | None"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class DraftSettings:
     eos_token_ids: list[int]      # masked while a request is below its min_tokens
     coupled: bool                 # acceptance == "coupled": drafts sample with the target's own noise
     device: torch.device
+    kv_window: KVWindow | None = None   # the draft attends to sinks + a recent window (None: everything)
 
 
 @dataclass
@@ -78,7 +86,8 @@ class DraftProposal:
 @dataclass
 class PreDraft:
     """Overlap: one request's next-round drafts, made while this round verified, assuming every
-    draft of this round is accepted and the bonus token equals ``guess``. Kept only if that holds."""
+    draft of this round is accepted and the bonus token equals ``guess``. Kept only if that holds,
+    and used only by the step right after (``context_len``)."""
 
     guess: torch.Tensor                 # [] int32 on the device: the assumed bonus token
     draft_token_ids: torch.Tensor       # [k] int32
@@ -86,6 +95,9 @@ class PreDraft:
     num_tokens: int                     # k
     draft_cached: int                   # positions the draft KV holds if it is kept
     seconds: float                      # its share of the pre-drafting's host time
+    context_len: int = 0                # the request's context length in the step it is for
+    confidence: list[float] | None = None   # q(x) at each depth its stop rule looked at (None: no rule)
+    p_accept: list[float | None] | None = None   # the acceptance head's estimate at those depths
 
 
 def no_drafts(batch_size: int, device) -> DraftProposal:
@@ -99,6 +111,9 @@ class Drafter:
 
     name = "none"          # for display (server, metrics); the engine never branches on it
     caps_vary = False      # proposal lengths come and go every step: the policy must plan every step
+    supports_pre_draft = False   # overlap: can draft the next round while this one verifies
+    reads_target_kv = False      # drafts from the target's own KV cache (self:N)
+    draft_params = None          # research hook: the sampling parameters of draft rows (None: the request's)
 
     def cache_configs(self) -> dict:
         """KV caches this drafter needs beside the target's: {name: ModelConfig}."""
@@ -106,6 +121,10 @@ class Drafter:
 
     def bind(self, kv) -> None:
         """The engine's PagedKVCache (built with ``cache_configs``); called again if it is rebuilt."""
+
+    def size_bytes(self) -> int | None:
+        """Bytes of weights one draft forward reads (None: no model), for the draft-size guard."""
+        return None
 
     def limit(self, batch, caps: list[int]) -> DraftLimits:
         """Caps this step (at most the engine's caps)."""
@@ -120,10 +139,22 @@ class Drafter:
         or None when drafting runs no network (n-gram). Benchmarks time a draft step with it."""
         return None
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None) -> DraftProposal:
+    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
+                pre_length: PreLength | None = None) -> DraftProposal:
         raise NotImplementedError
 
-    def pre_draft(self, batch, ks: list[int], proposal: DraftProposal, next_ks: list[int]) -> dict[int, PreDraft]:
+    def fence(self) -> None:
+        """Before a step's first KV write: make it wait for a pre-draft still running (CUDA)."""
+
+    def reserve_pre_draft(self, batch, proposal: DraftProposal, next_ks: list[int]) -> list[int]:
+        """Overlap: reserve KV slots for pre-drafting ``next_ks`` tokens; returns what can be drafted."""
+        return [0] * len(batch)
+
+    def mark_verify(self) -> None:
+        """Overlap: the verification is about to be enqueued."""
+
+    def pre_draft(self, batch, ks: list[int], proposal: DraftProposal, next_ks: list[int],
+                  stop_rules: list | None = None) -> dict[int, PreDraft]:
         """Overlap: {row: PreDraft} for rows with next_ks[row] > 0 it could pre-draft (default: none)."""
         return {}
 

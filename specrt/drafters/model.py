@@ -18,13 +18,16 @@ import torch
 from specrt import ops
 from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
-from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, StopRule
+from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, PreLength,
+                                  StopRule)
 from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
 
 class ModelDrafter(Drafter):
     name = "model"
     cache_name = "draft"      # which cache of the PagedKVCache it reads and writes
+    supports_pre_draft = True
+    reads_target_kv = False   # its pre-draft may run while the verification writes the target's KV
 
     def __init__(self, model, settings: DraftSettings, accept_head=None, num_layers: int | None = None):
         self.model = model
@@ -40,10 +43,16 @@ class ModelDrafter(Drafter):
         # one pair of timing events around each step's drafting, made once (read after the step's sync)
         self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         if self._stream is not None else None)
+        self._verify_event = None     # recorded by mark_verify: the pre-draft waits for it, not the verification
+        self.attended = 0             # context positions the last draft forward attended (all rows)
 
     # -- what the engine asks
     def cache_configs(self) -> dict:
         return {"draft": self.model.config}
+
+    def size_bytes(self) -> int | None:
+        """Bytes of the draft model's weights (its quantized storage where it is quantized)."""
+        return module_bytes(self.model)
 
     def bind(self, kv) -> None:
         self.kv = kv
@@ -59,17 +68,20 @@ class ModelDrafter(Drafter):
         # the draft KV lags by what it has not consumed yet (its prompt, the first time)
         return [max(r.context_len - 1 - r.draft_cached, 0) for r in batch]
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None) -> DraftProposal:
+    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
+                pre_length: PreLength | None = None) -> DraftProposal:
         B, dev = len(batch), self.settings.device
         kmax = max(ks) if ks else 0
         if kmax == 0:
+            for r in batch:            # an overlap pre-draft is for the very next step only
+                r.drafter_state = None
             return DraftProposal(torch.full((B, 0), -1, dtype=torch.int32, device=dev), [0] * B, None,
                                  [r.draft_cached for r in batch])
         t0 = time.perf_counter()
         with self._on_stream():
             if self._events is not None:
                 self._events[0].record()
-            proposal = self._draft(batch, ks, kmax, stop_rule)
+            proposal = self._draft(batch, ks, kmax, stop_rule, pre_length)
             if self._events is not None:
                 self._events[1].record()
         if self._stream is not None:   # verification waits for the drafts (an event, no host sync)
@@ -102,24 +114,37 @@ class ModelDrafter(Drafter):
         return logits
 
     # -- the drafting loop
-    def _on_stream(self):
+    def _on_stream(self, after=None):
+        """The draft stream, after everything enqueued on the main stream so far (or, ``after``,
+        only after that event)."""
         if self._stream is None:
             return nullcontext()
-        self._stream.wait_stream(torch.cuda.current_stream(self.settings.device))
+        if after is None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.settings.device))
+        else:
+            self._stream.wait_event(after)
         return torch.cuda.stream(self._stream)
 
+    def fence(self) -> None:
+        if self._stream is not None:   # the main stream's next KV writes wait for a running pre-draft
+            torch.cuda.current_stream(self.settings.device).wait_stream(self._stream)
+
     def _forward(self, reqs, input_ids: torch.Tensor, seq_lens: list[int], query_lens: list[int],
-                 out_index: list[int], host_ids: list[int] | None = None, history: tuple | None = None):
+                 out_index: list[int], host_ids: list[int] | None = None, history: tuple | None = None,
+                 write: bool = True):
         """One batched draft forward; returns (q [rows, V] f32, logits [rows, V], hidden or None) at each
         row's last position. ``host_ids``: the rows' tokens when they may recompute blocks shared
         between requests (catch-up over a target-only prefix): each shared slot is then written once.
         ``history`` (BatchControls, rows' batch indices, rows' draft offsets, drafts [B, W]): the
-        logit controls, each row seeing its request's drafts before it (None: no request has any)."""
+        logit controls, each row seeing its request's drafts before it (None: no request has any).
+        ``write`` False: the new tokens' K/V are not stored (their slots already hold them)."""
         dev, kv = self.settings.device, self.kv
         positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
                                  dtype=torch.int64).to(dev, non_blocking=True)
         meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in reqs],
-                                       kv.block_size, dev, token_ids=host_ids)
+                                       kv.block_size, dev, token_ids=host_ids, window=self.settings.kv_window,
+                                       write=write)
+        self.attended = sum(meta.seq_lens_host)
         last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
         logits, hidden = self.model(self.draft_input_ids(input_ids), positions, meta, kv[self.cache_name],
                                     num_layers=self.num_layers, logits_indices=last,
@@ -141,7 +166,8 @@ class ModelDrafter(Drafter):
         return ops.sample_tokens(q, seeds, pos, purpose="target" if self.settings.coupled else "draft",
                                  check_values=False)
 
-    def _draft(self, batch, ks: list[int], kmax: int, stop_rule: StopRule | None) -> DraftProposal:
+    def _draft(self, batch, ks: list[int], kmax: int, stop_rule: StopRule | None,
+               pre_length: PreLength | None = None) -> DraftProposal:
         B, dev, V = len(batch), self.settings.device, self.settings.vocab_size
         need_probs = not self.settings.coupled and any(not r.params.greedy for r in batch)
         draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)          # [B, K]
@@ -154,12 +180,13 @@ class ModelDrafter(Drafter):
         used = 0
         for b, r in enumerate(batch):      # requests whose overlap pre-draft is still valid
             pre, r.drafter_state = r.drafter_state, None
-            if pre is not None and pre.num_tokens == ks[b]:
+            n = self._pre_draft_use(r, pre, ks[b], pre_length)
+            if n is not None:
                 used += 1
-                draft_ids[b, :ks[b]] = pre.draft_token_ids
+                draft_ids[b, :n] = pre.draft_token_ids[:n]
                 if draft_probs is not None and pre.draft_probs is not None:
-                    draft_probs[b, :ks[b]] = pre.draft_probs
-                n_draft[b], fed_until[b], stopped[b] = ks[b], r.draft_cached, True
+                    draft_probs[b, :n] = pre.draft_probs[:n]
+                n_draft[b], fed_until[b], stopped[b] = n, self.cached(r), True
         cost = DraftCost()
         ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
@@ -183,7 +210,7 @@ class ModelDrafter(Drafter):
                                               [r.num_generated + j for r in reqs], host_ids, history)  # [rows, V]
             cost.forwards += 1
             cost.tokens_fed += sum(query_lens)
-            cost.attended += sum(seq_lens)
+            cost.attended += self.attended      # the context its forward attended (a KV window's view)
             x = self._sample(q, reqs, [r.context_len + j for r in reqs])                       # [rows]
             row_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
             draft_ids[row_idx, j] = x
@@ -198,6 +225,16 @@ class ModelDrafter(Drafter):
             prev, prev_rows = x, rows
         return DraftProposal(draft_ids, n_draft, draft_probs, fed_until, cost, used)
 
+    @staticmethod
+    def _pre_draft_use(r, pre, k: int, pre_length: PreLength | None) -> int | None:
+        """How many of a kept pre-draft's tokens request r proposes this step (its first n are what
+        drafting afresh would propose: the same context, positions and noise), or None: draft afresh."""
+        if not isinstance(pre, PreDraft) or pre.context_len != r.context_len:
+            return None                # not a pre-draft for this very step
+        if pre_length is not None:
+            return pre_length(r, k, pre)
+        return k if k <= pre.num_tokens else None
+
     def _stopping(self, stop_rule: StopRule, reqs, depth: int, logits, hidden, x) -> list[int]:
         """Rows whose drafting stops before token ``depth`` (one intentional sync per draft step:
         the confidence / head policies decide on the host). Confidence is the draft model's own
@@ -210,63 +247,157 @@ class ModelDrafter(Drafter):
         qx = qx.cpu().tolist()
         return [i for i, r in enumerate(reqs) if stop_rule(r, depth, qx[i], None if p_acc is None else p_acc[i])]
 
-    def pre_draft(self, batch, ks: list[int], proposal: DraftProposal, next_ks: list[int]) -> dict[int, PreDraft]:
-        """Overlap: while the target verifies this round, draft the next one assuming every draft
-        is accepted and the bonus token equals the draft's own guess. Enqueued on the draft stream
-        (no dependency on the verification), so on CUDA it runs concurrently."""
-        dev, kv, n_of = self.settings.device, self.kv, proposal.num_draft_tokens
-        rows, k_next = [], []
+    # -- overlap
+    def reserve_pre_draft(self, batch, proposal: DraftProposal, next_ks: list[int]) -> list[int]:
+        """KV slots for the next round's pre-drafts, taken before the verification is enqueued (a
+        copy-on-write copy they cause then precedes it); 0 for rows that got none."""
+        kv, n_of = self.kv, proposal.num_draft_tokens
+        out = []
         for b, r in enumerate(batch):
             k = next_ks[b]
-            if k and kv.append_slots(r.request_id, r.context_len + n_of[b] + k - kv.num_tokens(r.request_id)):
-                rows.append(b)
-                k_next.append(k)
+            need = r.context_len + n_of[b] + k - kv.num_tokens(r.request_id)
+            ok = k > 0 and kv.append_slots(r.request_id, max(need, 0))
+            out.append(k if ok else 0)
+        return out
+
+    def mark_verify(self) -> None:
+        if self._stream is not None:   # what the pre-draft waits for: everything before the verification
+            self._verify_event = torch.cuda.Event()
+            self._verify_event.record()
+
+    def pre_draft(self, batch, ks: list[int], proposal: DraftProposal, next_ks: list[int],
+                  stop_rules: list | None = None) -> dict[int, PreDraft]:
+        """Overlap: while the target verifies this round, draft the next one assuming every draft
+        is accepted and the bonus token equals the draft's own guess. Enqueued on the draft stream
+        after what preceded the verification (a drafter reading the target's KV: after the
+        verification), so on CUDA it runs concurrently. ``stop_rules[b](depth, q(x), p_accept)``:
+        the policy's prediction of where the next step stops drafting (each answer a host sync)."""
+        rows = [b for b in range(len(batch)) if next_ks[b] > 0]
         if not rows:
             return {}
         t0 = time.perf_counter()
-        reqs = [batch[b] for b in rows]
-        need_probs = not self.settings.coupled and any(not r.params.greedy for r in reqs)
-        out_ids = torch.full((len(rows), max(k_next)), -1, dtype=torch.int32, device=dev)
-        out_probs = torch.zeros(len(rows), max(k_next), self.settings.vocab_size, device=dev) if need_probs else None
-        with self._on_stream():
-            # step 0: feed the last draft x_n, guess the bonus token at position L + n
-            width = proposal.draft_token_ids.shape[1]
-            last = torch.tensor([b * width + n_of[b] - 1 for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
-            feed = proposal.draft_token_ids.view(-1).index_select(0, last).long()
-            base = [r.context_len + n_of[b] for b, r in zip(rows, reqs)]   # position of the bonus
-            assumed = _AssumedHistory.make(batch, proposal, rows, max(k_next), dev)
-            q, _, _ = self._forward(reqs, feed, base, [1] * len(rows), [r.num_generated + n_of[b]
-                                                                         for b, r in zip(rows, reqs)], None,
-                                    assumed.at(list(range(len(rows))), 0) if assumed else None)
-            if self.settings.coupled:
-                guess = self._sample(q, reqs, base)        # the target's own race noise: likely the bonus
-            else:
-                guess = q.argmax(-1).to(torch.int32)       # the draft's most likely bonus
-            feed = guess.long()
-            if assumed:
-                assumed.append(None, 0, guess)
-            active = list(range(len(rows)))
-            for j in range(max(k_next)):
-                active = [i for i in active if j < k_next[i]]
-                sel = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
-                sub = [reqs[i] for i in active]
-                seq = [base[i] + 1 + j for i in active]
-                q, _, _ = self._forward(sub, feed.index_select(0, sel), seq, [1] * len(active),
-                                        [reqs[i].num_generated + n_of[rows[i]] + 1 + j for i in active], None,
-                                        assumed.at(active, 1 + j) if assumed else None)
-                y = self._sample(q, sub, seq)
-                if assumed:
-                    assumed.append(sel, 1 + j, y)
-                out_ids[sel, j] = y
-                if out_probs is not None:
-                    out_probs[sel, j] = q
-                feed = torch.zeros(len(rows), dtype=torch.int64, device=dev)
-                feed[sel] = y.long()
+        main = torch.cuda.current_stream(self.settings.device) if self._stream is not None else None
+        with self._on_stream(after=None if self.reads_target_kv else self._verify_event):
+            # the logit controls' history each pre-drafted token assumes (None: no request has controls)
+            assumed = _AssumedHistory.make(batch, proposal, rows, max(next_ks[b] for b in rows), self.settings.device)
+            guess, base = self._pre_guess(batch, rows, proposal, main, assumed)
+            out = self._pre_steps(batch, rows, [next_ks[b] for b in rows], guess, base,
+                                  [stop_rules[b] if stop_rules else None for b in rows], assumed)
         seconds = (time.perf_counter() - t0) / len(rows)
-        return {b: PreDraft(guess[i], out_ids[i, :k_next[i]], None if out_probs is None else out_probs[i, :k_next[i]],
-                            k_next[i], base[i] + k_next[i], seconds)
+        return {b: PreDraft(guess[i], out.ids[i, :out.n[i]], None if out.probs is None else out.probs[i, :out.n[i]],
+                            out.n[i], out.held[i], seconds, base[i] + 1, out.conf[i], out.p_acc[i])
                 for i, b in enumerate(rows)}
 
+    def _pre_guess(self, batch, rows: list[int], proposal: DraftProposal, main, assumed: "_AssumedHistory | None"):
+        """Feed each row's last draft x_n; guess the bonus token at position L + n. Returns (guess
+        [rows] int32, the bonus positions). The main stream waits for the guesses (the step's
+        device->host copy reads them), not for the rest of the pre-draft."""
+        dev, n_of = self.settings.device, proposal.num_draft_tokens
+        reqs = [batch[b] for b in rows]
+        width = proposal.draft_token_ids.shape[1]
+        last = torch.tensor([b * width + n_of[b] - 1 for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
+        feed = proposal.draft_token_ids.view(-1).index_select(0, last).long()
+        base = [r.context_len + n_of[b] for b, r in zip(rows, reqs)]   # position of the bonus
+        # a drafter on the target's KV does not rewrite x_n's slot: the verification wrote the target's own
+        q, _, _ = self._forward(reqs, feed, base, [1] * len(rows), [r.num_generated + n_of[b] for b, r in zip(rows, reqs)],
+                                history=assumed.at(list(range(len(rows))), 0) if assumed else None,
+                                write=not self.reads_target_kv)
+        if self.settings.coupled:
+            guess = self._sample(q, reqs, base)        # the target's own race noise: likely the bonus
+        else:
+            guess = q.argmax(-1).to(torch.int32)       # the draft's most likely bonus
+        if assumed:
+            assumed.append(None, 0, guess)
+        if main is not None:          # the main stream reads the guesses: it waits for them alone
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+            main.wait_event(ready)
+            guess.record_stream(main)
+        return guess, base
+
+    def _pre_steps(self, batch, rows: list[int], k_next: list[int], guess, base: list[int], rules: list,
+                   assumed: "_AssumedHistory | None"):
+        """The pre-draft's drafting loop from the guessed bonus; rows with a stop rule stop where
+        it says (the token it stops at is not proposed)."""
+        dev, V = self.settings.device, self.settings.vocab_size
+        reqs = [batch[b] for b in rows]
+        R, kmax = len(rows), max(k_next)
+        need_probs = not self.settings.coupled and any(not r.params.greedy for r in reqs)
+        out = _PreOut(torch.full((R, kmax), -1, dtype=torch.int32, device=dev),
+                      torch.zeros(R, kmax, V, device=dev) if need_probs else None, list(k_next),
+                      [base[i] + k_next[i] for i in range(R)],
+                      [[] if rules[i] else None for i in range(R)],
+                      [[] if rules[i] and self.accept_head is not None else None for i in range(R)])
+        feed = guess.long()
+        active = list(range(R))
+        for j in range(kmax):
+            active = [i for i in active if j < out.n[i]]
+            if not active:
+                break
+            sel = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
+            sub = [reqs[i] for i in active]
+            seq = [base[i] + 1 + j for i in active]
+            q, logits, hidden = self._forward(sub, feed.index_select(0, sel), seq, [1] * len(active),
+                                              [reqs[i].num_generated + (base[i] - reqs[i].context_len) + 1 + j
+                                               for i in active],
+                                              history=assumed.at(active, 1 + j) if assumed else None)
+            y = self._sample(q, sub, seq)
+            if assumed:
+                assumed.append(sel, 1 + j, y)
+            out.ids[sel, j] = y
+            if out.probs is not None:
+                out.probs[sel, j] = q
+            ruled = [a for a, i in enumerate(active) if rules[i] is not None]
+            if ruled:
+                for a, stop in self._pre_stops(ruled, [active[a] for a in ruled], rules, out, j, logits, hidden, y):
+                    if stop:
+                        i = active[a]
+                        out.n[i], out.held[i] = j, base[i] + 1 + j
+            feed = torch.zeros(R, dtype=torch.int64, device=dev)
+            feed[sel] = y.long()
+        return out
+
+    def _pre_stops(self, ruled: list[int], idx: list[int], rules, out: "_PreOut", depth: int, logits, hidden, y):
+        """(position in the active rows, stop?) for rows with a stop rule at ``depth``; records the
+        values the next step replays (one host sync, as drafting with such a policy does)."""
+        sel = torch.tensor(ruled, dtype=torch.int64).to(logits.device, non_blocking=True)
+        lg = logits.index_select(0, sel)
+        qx = torch.softmax(lg, -1).gather(1, y.index_select(0, sel).long()[:, None])[:, 0]
+        p_acc = None
+        if self.accept_head is not None:
+            p_acc = self.accept_head(hidden.index_select(0, sel).float(), qx).float().cpu().tolist()
+        qx = qx.cpu().tolist()
+        res = []
+        for t, (a, i) in enumerate(zip(ruled, idx)):
+            pa = None if p_acc is None else p_acc[t]
+            out.conf[i].append(qx[t])
+            if out.p_acc[i] is not None:
+                out.p_acc[i].append(pa)
+            res.append((a, rules[i](depth, qx[t], pa)))
+        return res
+
+
+def module_bytes(*modules) -> int:
+    """Bytes of the modules' parameters and buffers (each storage once: tied or fused weights count once)."""
+    seen, total = set(), 0
+    for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+class _PreOut:
+    """The pre-draft loop's results per pre-drafted row."""
+
+    def __init__(self, ids, probs, n, held, conf, p_acc):
+        self.ids = ids          # [R, K] int32 drafted tokens (-1 padded)
+        self.probs = probs      # [R, K, V] float32 or None
+        self.n = n              # [R] tokens proposed (cut where a stop rule stopped)
+        self.held = held        # [R] positions the draft KV holds if the pre-draft is kept
+        self.conf = conf        # [R] q(x) per depth evaluated, or None (no stop rule)
+        self.p_acc = p_acc      # [R] the acceptance head's estimate per depth, or None
 
 class _AssumedHistory:
     """Overlap: the history a pre-draft assumes for the logit controls, per request b of the batch:

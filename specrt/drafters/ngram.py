@@ -116,7 +116,8 @@ class NgramDrafter(Drafter):
         known = {r.request_id: self._propose(r, c) for r, c in zip(batch, caps)}
         return DraftLimits([len(known[r.request_id]) for r in batch], known)
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None) -> DraftProposal:
+    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
+                pre_length=None) -> DraftProposal:
         B = len(batch)
         kmax = max(ks) if ks else 0
         ids = torch.full((B, kmax), -1, dtype=torch.int32)

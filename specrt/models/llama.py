@@ -669,7 +669,7 @@ class LlamaForCausalLM(nn.Module):
                              f"{exp[0]}, {exp[1]}]")
         if kv_cache.shape[3] != meta.block_size:
             raise ValueError(f"kv_cache block_size {kv_cache.shape[3]} != metadata block_size {meta.block_size}")
-        max_seq = max(meta.seq_lens_host)
+        max_seq = meta.max_context_len  # the true length (a KVWindow view is shorter)
         if max_seq > cfg.max_model_len:
             raise ValueError(f"a request has {max_seq} tokens, longer than the model's context of "
                              f"{cfg.max_model_len} tokens")

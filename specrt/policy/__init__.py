@@ -7,7 +7,7 @@
 """
 from specrt.config import SpecConfig
 from specrt.policy.base import (ConfidencePolicy, DraftPolicy, FixedPolicy, HeadPolicy, RequestPolicyState,
-                                recent_acceptance)
+                                ThresholdPolicy, recent_acceptance)
 from specrt.policy.budget import BudgetPolicy
 from specrt.policy.cost_model import CostModel
 
@@ -19,4 +19,4 @@ def make_policy(spec: SpecConfig) -> DraftPolicy:
 
 
 __all__ = ["BudgetPolicy", "ConfidencePolicy", "CostModel", "DraftPolicy", "FixedPolicy", "HeadPolicy",
-           "POLICY_CLASSES", "RequestPolicyState", "make_policy", "recent_acceptance"]
+           "POLICY_CLASSES", "RequestPolicyState", "ThresholdPolicy", "make_policy", "recent_acceptance"]

@@ -15,6 +15,7 @@ Two linear models fitted by non-negative least squares over the recent steps:
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 
@@ -72,16 +73,62 @@ class CostModel:
         self._fitted_at = [None, None]
         self._verify_coef = None     # [5] v0..v4, None until fitted
         self._draft_coef = None      # [3] d0..d2
+        # steady plain steps, kept apart (drafted steps never push them out): the autoregressive
+        # step time the runtime's speedup estimate divides by
+        self.plain_samples: list[tuple] = []     # (tokens, context, requests, seconds)
+        self._plain_coef = None      # [4] p0..p3 (1, tokens, context, requests), None until fitted
+        self._plain_added = 0        # plain samples ever added
+        self.last_plain_at: float | None = None   # time.monotonic() of the last one
+        self._plain_fitted_at = 0
 
-    def add_verify(self, tokens: int, context: int, seconds: float, drafted: bool = False, requests: int = 1) -> None:
+    def add_verify(self, tokens: int, context: int, seconds: float, drafted: bool = False, requests: int = 1,
+                   step_seconds: float | None = None) -> bool:
+        """A step's verify sample (``seconds``: the step besides drafting). A steady plain step is
+        also a sample of the autoregressive step time (``step_seconds``: the whole step, default
+        ``seconds``). Returns whether it was one."""
         steady_plain = not drafted and not self._prev_drafted
         self._prev_drafted = drafted
         self.steps_since_plain = 0 if steady_plain else self.steps_since_plain + 1
+        if steady_plain:
+            self.plain_samples.append((tokens, context, requests, seconds if step_seconds is None else step_seconds))
+            self._plain_added += 1
+            self.last_plain_at = time.monotonic()
+            del self.plain_samples[:-tuning.COST_SAMPLES_KEPT]
         if drafted or steady_plain:
             self.verify_samples.append((tokens, context, float(drafted), requests, seconds))
             self.num_plain += steady_plain
             self._added[0] += 1
             del self.verify_samples[:-tuning.COST_SAMPLES_KEPT]
+        return steady_plain
+
+    def ar_step_time(self, tokens: int, context: int, requests: int) -> float | None:
+        """Seconds of one plain (autoregressive) step over ``requests`` requests feeding ``tokens``
+        tokens with ``context`` context tokens in all, by a fit of this engine's MEASURED steady plain
+        steps (the last COST_SAMPLES_FITTED); None with fewer than AR_MIN_SAMPLES of them."""
+        n = len(self.plain_samples)
+        if n < tuning.AR_MIN_SAMPLES:
+            return None
+        due = max(1, min(self._plain_added, tuning.COST_SAMPLES_KEPT) // tuning.REFIT_FRACTION)
+        if self._plain_coef is None or self._plain_added - self._plain_fitted_at >= due:
+            p = np.array(self.plain_samples[-tuning.COST_SAMPLES_FITTED:], dtype=float)
+            x = np.column_stack([np.ones(len(p)), p[:, :3]])
+            self._plain_coef = nonneg_fit(x, p[:, 3], always=[0], optional=[1, 2, 3])
+            self._plain_fitted_at = self._plain_added
+        c = self._plain_coef
+        return max(float(c[0] + c[1] * tokens + c[2] * context + c[3] * requests), 1e-9)
+
+    def plain_fit_info(self) -> dict:
+        """What the speedup estimate's autoregressive step time rests on (for stats())."""
+        c = self._plain_coef
+        return {"plain_samples": len(self.plain_samples),
+                "seconds_per": None if c is None else dict(zip(("step", "token", "context_token", "request"),
+                                                                 map(float, c))),
+                "last_sample_age_s": None if self.last_plain_at is None else time.monotonic() - self.last_plain_at}
+
+    @property
+    def plain_coef(self):
+        """The plain-step fit (p0..p3 for 1, tokens, context, requests), None until fitted."""
+        return None if self._plain_coef is None else self._plain_coef.copy()
 
     def add_draft(self, depth: int, tokens_fed: int, attended: int, seconds: float) -> None:
         if depth > 0:

@@ -13,6 +13,10 @@ PRIOR_RATE = 0.7              # acceptance assumed for a request (or a pool) wit
 HISTORY_PRIOR_WEIGHT = 2.0    # outcomes' worth of PRIOR_RATE in recent_acceptance's default
 MIN_POOLED_OUTCOMES = 32      # outcomes a pool (all requests, an evidence class) needs to replace the prior
 
+# -- admission by acceptance (SpecConfig.admission = "acceptance")
+TAG_GAIN_STEP = 0.02          # step size of a tag's moving average of accepted drafts per step
+TAG_PRIOR_STEPS = 8.0         # steps' worth of its tag's average in a request's predicted acceptance
+
 # -- confidence policy: threshold = base * (CONF_SLOPE - recent acceptance), clamped
 CONF_SLOPE = 1.5
 CONF_MIN, CONF_MAX = 0.02, 0.95
@@ -25,6 +29,7 @@ REFIT_FRACTION = 4            # later: refit after 1/REFIT_FRACTION of the sampl
 REFIT_CHANGE = 0.02           # a refit moving no prediction by more than this keeps the old fit
 FIT_RESIDUAL_SLACK = 0.02     # a fit with fewer columns wins within this much of the best residual
 FIT_MIN_SPREAD = 0.05         # a column varying less than this (std / |mean|) is left out of a fit
+AR_MIN_SAMPLES = 8            # steady plain steps before the speedup estimate has an autoregressive cost
 UNMEASURED_VERIFY = (1.0, 0.01)   # (seconds, per token): unitless verify cost until measured
 UNMEASURED_DRAFT_SHARE = 0.25     # an unmeasured draft forward costs this share of a verify
 

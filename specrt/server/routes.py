@@ -174,7 +174,8 @@ async def models(request: Request):
         "max_model_len": eng.max_model_len,
         "specrt": {"speculative": bool(eng.speculative), "draft": eng.draft_kind,
                    "max_draft_length": eng.spec.max_draft_length, "policy": eng.spec.policy,
-                   "acceptance": eng.spec.acceptance, "max_batch_size": eng.spec.max_batch_size}}]}
+                   "acceptance": eng.spec.acceptance, "max_batch_size": eng.spec.max_batch_size,
+                   "kv_cache_tokens": eng.kv_cache_tokens}}]}
 
 
 @router.get("/health")
