@@ -18,6 +18,7 @@ LAYERS = [
     "specrt.reference",      # pure torch: the oracle, and the ops' fallback for non-CPU tensors
     "specrt.ops",
     "specrt.config",
+    "specrt.health",
     "specrt.metrics",
     "specrt.controls",
     "specrt.attention",
@@ -32,6 +33,7 @@ LAYERS = [
     "specrt.intake",
     "specrt.engine",
     "specrt.distributed",
+    "specrt.warmup",
     "specrt.llm",
     "specrt",
     "specrt.server",
