@@ -118,7 +118,8 @@ def _k_sweep_md(ks: dict) -> list[str]:
     L += ["", f"Expected accepted drafts per step: E = sum_(i=1..K) r^i with r = {fmt(ks['r'])} (first-position "
               "acceptance at the smallest K), and the sum of the first K survival rates measured at the largest "
               "K (the engine's per-position acceptance with a fixed K is P(drafts 0..i all accepted)). Conditional "
-              "acceptance per position at the largest K, P(i accepted | 0..i-1 accepted): "
+              "acceptance per position at the largest K, P(i accepted | 0..i-1 accepted), as the engine counts "
+              "it (accepted at i / steps that drafted i and accepted every draft before it): "
               + " ".join(fmt(c) for c in cond) + ".", ""]
     L += md_table(["K", "measured", "sum r^i", "sum of measured survival rates"],
                   [[str(k), fmt(v["measured"]), fmt(v["formula_iid"]), fmt(v["formula_per_position"])]

@@ -80,7 +80,9 @@ def section_k_sweep(ctx: BenchContext) -> dict:
                     "mean_draft_length": res[p]["drafted_tokens_per_step"], "tau": res[p]["tau"],
                     "identical_to_ar": res[p]["identical_to_ar"]}
                 for p in ("confidence", "head", "budget") if p in res}
-    r, expected, conditional = expected_accepted(fixed)
+    r, expected = expected_accepted(fixed)
+    # the engine's own count of P(i accepted | 0..i-1 accepted): never above 1
+    conditional = fixed[max(ctx.s.ks)]["conditional_acceptance_per_position"]
     return {"drafter": ctx.main_drafter, "r": r, "modes": strip_ids(res), "best_fixed_k": best_k,
             "best_fixed_speedup": best, "policies": policies, "skipped": skipped,
             "expected_accepted": expected, "conditional_acceptance_at_kmax": conditional}

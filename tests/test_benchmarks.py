@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))      # the repository root: the bench package
 from _engine_utils import make_pair  # noqa: E402
 
-from bench import cost_curve, runner, sections, workloads  # noqa: E402
+from bench import cost_curve, costs, runner, sections, workloads  # noqa: E402
 from bench.report import write_results  # noqa: E402
 
 
@@ -75,6 +75,8 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
     assert "skipped" not in peer, peer
     assert peer["ratio_spec_vs_hf_assisted"] > 0
     assert set(data["costs"]["v"]) == {str(k) for k in range(1, max(s.ks) + 1)}
+    assert ks["conditional_acceptance_at_kmax"], "the engine's conditional acceptance is reported"
+    assert all(0.0 <= c <= 1.0 for c in _conditional_rates(data)), sorted(_conditional_rates(data))[-3:]
 
     report = (out / "report.md").read_text()
     for title in ("per prompt category", "Fixed K vs dynamic", "Temperature", "Batch size", "Misaligned",
@@ -83,6 +85,53 @@ def test_bench_minimal_writes_every_section(pair, tmp_path):
     for png in ("speedup_vs_k.png", "speedup_vs_batch.png", "acceptance_per_position.png",
                 "speedup_per_category.png"):
         assert (out / png).stat().st_size > 1000, png
+
+
+def _conditional_rates(x) -> list[float]:
+    """Every conditional acceptance rate anywhere in a results dict."""
+    if isinstance(x, dict):
+        return [c for k, v in x.items() for c in (v if k.startswith("conditional_acceptance") else
+                                                   _conditional_rates(v))]
+    return [c for v in x for c in _conditional_rates(v)] if isinstance(x, list) else []
+
+
+class _FakeLLM:
+    """A comparison mode whose engine reports the given statistics (and emits one token)."""
+
+    def __init__(self, total: dict):
+        self.total = total
+        self.engine = self
+
+    device = torch.device("cpu")
+
+    def reset_metrics(self) -> None:
+        pass
+
+    def generate(self, prompts, params=None):
+        return [type("Out", (), {"token_ids": [7]})() for _ in prompts]
+
+    def stats(self) -> dict:
+        return {"total": self.total}
+
+
+def test_conditional_acceptance_is_the_engines_and_never_above_one():
+    """The bench reports P(i accepted | 0..i-1 accepted) as the engine counts it, not as a ratio of
+    survival rates taken over different steps: with drafts cut short that ratio is 4 here (the
+    report once printed 1.05), the engine's rate 1.0."""
+    from specrt.metrics import RequestStats
+
+    st = RequestStats()
+    for _ in range(3):
+        st.record(1, 0, 1, 0.0, 0.0, 0.0)      # one draft, rejected
+    st.record(2, 2, 3, 0.0, 0.0, 0.0)          # two drafts, both accepted
+    total = st.summary()
+    surv = total["acceptance_rate_per_position"]
+    assert surv[1] / surv[0] == pytest.approx(4.0)
+    res = runner.compare({"ar": (_FakeLLM({}), None), "fixed_K2": (_FakeLLM(total), None)}, [[1, 2, 3]], 1)
+    assert res["fixed_K2"]["conditional_acceptance_per_position"] == [0.25, 1.0]
+    assert res["ar"]["conditional_acceptance_per_position"] == []
+    r, expected = costs.expected_accepted({1: res["fixed_K2"], 2: res["fixed_K2"]})
+    assert r == 0.25 and expected[2]["formula_per_position"] == pytest.approx(1.25)
 
 
 def test_misaligned_engine_changes_only_the_draft_params(pair):
