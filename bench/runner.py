@@ -173,7 +173,7 @@ def _run_repeats(modes: dict, units: list, unit_tags: list, repeats: int, batche
 _STATS = {"mean_accepted_length": 0.0, "acceptance_rate_per_position": [], "conditional_acceptance_per_position": [],
           "first_token_acceptance_rate": 0.0, "draft_hit_rate": 0.0, "drafted_tokens_per_step": 0.0, "steps": 0,
           "drafted_steps": 0, "draft_time_s": 0.0, "verify_time_s": 0.0, "step_time_s": 0.0,
-          "estimated_speedup": None}
+          "draft_share_of_step": 0.0, "estimated_speedup": None}
 
 
 def _mode_result(runs: Runs, m: str, repeats: int) -> dict:
