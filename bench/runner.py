@@ -92,19 +92,20 @@ def shared_loader(store: dict):
 
 # ------------------------------------------------------------------------------- timing
 
-def generate_concurrent(llm, prompts: list[list[int]], params, concurrency: int):
+def generate_concurrent(llm, prompts: list[list[int]], params, concurrency: int, tags: list[str] | None = None):
     """Serve ``prompts`` with at most ``concurrency`` requests in flight: the first
     ``concurrency`` start together, and each one that finishes is replaced by the next prompt at
     once (continuous batching, as a server under steady load sees it). Outputs in prompt order."""
     eng = llm.engine
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    tags = tags or ["default"] * len(prompts)
     ids: list[str] = []
     live: set[str] = set()
     done: dict = {}
     while len(done) < len(prompts):
         while len(live) < concurrency and len(ids) < len(prompts):
             i = len(ids)
-            ids.append(eng.add_request(prompts[i], params[i]))
+            ids.append(eng.add_request(prompts[i], params[i], tag=tags[i]))
             live.add(ids[-1])
         for out in eng.step():
             if out.finished and out.request_id in live:
@@ -117,17 +118,16 @@ def generate_timed(llm, prompts: list[list[int]], params, batched: bool,
                    concurrency: int | None = None, tags: list[str] | None = None) -> tuple[float, list[list[int]]]:
     """(seconds, token ids per prompt): batch 1 one prompt at a time, a whole batch, or
     continuous batching at a given concurrency. ``tags``: one request tag per prompt."""
-    kw = [{}] * len(prompts) if tags is None else [{"tags": [t]} for t in tags]
     sync(llm.engine.device)
     t0 = now()
     if concurrency:
-        if tags is not None:
-            raise ValueError("tags: not supported under continuous batching (concurrency)")
-        outs = generate_concurrent(llm, prompts, params, concurrency)
+        outs = generate_concurrent(llm, prompts, params, concurrency, tags)
+    elif tags is None:          # (a transformers mode takes no tags)
+        outs = llm.generate(prompts, params) if batched else [llm.generate([p], params)[0] for p in prompts]
     elif batched:
-        outs = llm.generate(prompts, params, **({} if tags is None else {"tags": tags}))
+        outs = llm.generate(prompts, params, tags=tags)
     else:
-        outs = [llm.generate([p], params, **k)[0] for p, k in zip(prompts, kw)]
+        outs = [llm.generate([p], params, tags=[t])[0] for p, t in zip(prompts, tags)]
     sync(llm.engine.device)
     return now() - t0, [o.token_ids for o in outs]
 
@@ -140,13 +140,26 @@ class Runs:
 
     seconds: dict          # mode -> [units][repeats] seconds
     token_ids: dict        # mode -> [units] -> [prompts of the unit] token ids (last repeat)
-    stats: dict            # mode -> [repeats] the engine's "total" statistics of each repeat
+    stats: dict            # mode -> [repeats] the engine's statistics of each repeat (its total, or
+                           # the mode's tag where modes share an engine)
     plan_s: dict           # mode -> policy planning seconds of the last repeat
+
+
+def _shared_engines(modes: dict) -> set[str]:
+    """The modes whose engine serves another mode too: their requests are tagged with the mode's
+    name and their statistics read from that tag (an engine's total would mix the modes)."""
+    users: dict[int, list[str]] = {}
+    for m, (llm, _) in modes.items():
+        users.setdefault(id(llm.engine), []).append(m)
+    return {m for ms in users.values() if len(ms) > 1 for m in ms}
 
 
 def _run_repeats(modes: dict, units: list, unit_tags: list, repeats: int, batched: bool,
                  concurrency: int | None, before_repeat) -> Runs:
     names = list(modes)
+    shared = _shared_engines(modes)
+    if shared and any(t is not None for t in unit_tags):
+        raise ValueError(f"tags: modes {sorted(shared)} share an engine, which needs the tags to tell them apart")
     runs = Runs({m: [[0.0] * repeats for _ in units] for m in names}, {m: [None] * len(units) for m in names},
                 {m: [] for m in names}, {m: 0.0 for m in names})
     for rep in range(repeats):
@@ -159,11 +172,12 @@ def _run_repeats(modes: dict, units: list, unit_tags: list, repeats: int, batche
             random.Random(1000 * rep + u).shuffle(order)
             for m in order:
                 llm, params = modes[m]
+                tags = [m] * len(unit) if m in shared else unit_tags[u]
                 runs.seconds[m][u][rep], runs.token_ids[m][u] = generate_timed(llm, unit, params, batched,
-                                                                               concurrency, unit_tags[u])
+                                                                               concurrency, tags)
         for m in names:
             snap = modes[m][0].stats()
-            runs.stats[m].append(snap["total"])
+            runs.stats[m].append(snap.get("by_tag", {}).get(m, {}) if m in shared else snap["total"])
             runs.plan_s[m] = snap.get("plan_time_s", 0.0)
     return runs
 
@@ -210,17 +224,19 @@ def _add_speedup(v: dict, base: dict) -> None:
 def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool = False,
             baseline: str = "ar", concurrency: int | None = None, tags: list[str] | None = None,
             whole_pass: bool = False, before_repeat=None) -> dict:
-    """modes: {name: (llm, params)}, each with its own LLM. Batch 1 (batched=False): for every
-    prompt all modes run back to back, in a (seeded) random order that changes from prompt to
-    prompt and from repeat to repeat, so machine noise and position effects (a mode that runs
-    right after itself finds its weights in the CPU caches) hit every mode alike; batched: the
-    whole batch is one unit. Time of a mode = sum over units of the median over repeats; its
-    speedup is the median over repeats of that repeat's time ratio to the baseline (paired).
-    Stats (acceptance, tau, ...) are one repeat's, over all prompts (seeded: every repeat
-    decodes the same tokens). concurrency: all prompts are one unit served with at most that
-    many in flight (``generate_concurrent``). tags: a request tag per prompt. whole_pass: batch 1,
-    but the modes alternate whole passes over the prompts (one unit), not prompt by prompt.
-    before_repeat(rep): called before each repeat (untimed), e.g. to recalibrate."""
+    """modes: {name: (llm, params)}. Batch 1 (batched=False): for every prompt all modes run
+    back to back, in a (seeded) random order that changes from prompt to prompt and from repeat
+    to repeat, so machine noise and position effects (a mode that runs right after itself finds
+    its weights in the CPU caches) hit every mode alike; batched: the whole batch is one unit.
+    Time of a mode = sum over units of the median over repeats; its speedup is the median over
+    repeats of that repeat's time ratio to the baseline (paired). Stats (acceptance, tau, ...)
+    are one repeat's, over all prompts (seeded: every repeat decodes the same tokens). Modes may
+    share an engine (e.g. with other sampling parameters): their requests are then tagged with
+    the mode's name and each mode's stats are its tag's.
+    concurrency: all prompts are one unit served with at most that many in flight
+    (``generate_concurrent``). tags: a request tag per prompt. whole_pass: batch 1, but the modes
+    alternate whole passes over the prompts (one unit), not prompt by prompt. before_repeat(rep):
+    called before each repeat (untimed), e.g. to recalibrate."""
     batched = batched or bool(concurrency)
     if tags is not None and len(tags) != len(prompts):
         raise ValueError(f"tags: one per prompt ({len(prompts)}), got {len(tags)}")

@@ -212,6 +212,21 @@ def test_conditional_acceptance_is_the_engines_and_never_above_one():
     assert r == 0.25 and expected[2]["formula_per_position"] == pytest.approx(1.25)
 
 
+def test_modes_sharing_an_engine_get_their_own_stats(pair):
+    """Two modes of one engine (other sampling parameters): each reports its own requests' steps,
+    not the engine's total over both."""
+    import specrt
+
+    tdir, _ = pair
+    llm = runner.make_llm(str(tdir), "ngram", specrt.SpecConfig(max_draft_length=2, max_model_len=128), "cpu")
+    short, long = (specrt.SamplingParams(max_tokens=n, ignore_eos=True, seed=1) for n in (3, 12))
+    res = runner.compare({"ar": (llm, short), "long": (llm, long)}, [[5, 9, 11, 20, 7]], 1)
+    assert res["ar"]["tokens"] == 3 and res["long"]["tokens"] == 12
+    assert 1 <= res["ar"]["steps"] <= 3 < res["long"]["steps"]
+    standalone = runner.compare({"ar": (llm, short)}, [[5, 9, 11, 20, 7]], 1)
+    assert standalone["ar"]["steps"] == res["ar"]["steps"]
+
+
 def test_misaligned_engine_changes_only_the_draft_params(pair):
     """The benchmark-only drafter hook perturbs draft rows; target rows and greedy output are untouched."""
     import specrt
