@@ -395,3 +395,53 @@ def test_bf16_greedy_speculative_equals_autoregressive():
     for k in (1, 7):
         assert _greedy(spec[k], PROMPTS[:4], 48) == expected, k
         assert _greedy(spec[k], PROMPTS[:1], 48) == expected[:1], k
+
+
+def _unpacked_logits(model, prompt):
+    """Logits of a model whose prepared projections keep their own tensors (packing switched off)."""
+    from unittest import mock
+
+    from _model_utils import Runner
+
+    with mock.patch("specrt.models.llama.pack_projections", lambda *a: False):
+        return Runner(model).prefill("a", prompt)
+
+
+@pytest.mark.parametrize("quant", [None, "q4_1", "int8"])
+def test_prepare_packs_weights_in_forward_order(tiny, quant):
+    """prepare() moves every projection's weights into one arena in the order a forward reads them:
+    values, state_dict names, ties and logits unchanged; no second copy stays referenced; preparing
+    again moves nothing."""
+    from _model_utils import Runner
+    from specrt.models import load_model
+
+    model = load_model(tiny["qwen2"], quantize=quant)  # tied embeddings, q/k/v bias
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = _unpacked_logits(load_model(tiny["qwen2"], quantize=quant), list(range(3, 30)))
+    model.prepare()
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    streams = []
+    for layer in model.model.layers:
+        for fn in (layer.self_attn._qkv, layer.self_attn._o, layer.mlp._gate_up, layer.mlp._down):
+            streams += [fn.weight] if quant is None else [t for t in (fn.__self__.weight_scale, fn.__self__.weight_min,
+                                                                     fn.__self__.weight) if t is not None]
+    head = model._lm_head
+    streams += [head.weight] if quant is None else [t for t in (head.__self__.weight_scale, head.__self__.weight_min,
+                                                               head.__self__.weight) if t is not None]
+    for a, b in zip(streams, streams[1:]):  # back to back, 64-byte aligned
+        gap = b.data_ptr() - a.data_ptr() - a.numel() * a.element_size()
+        assert 0 <= gap < 64
+    arena = streams[0].untyped_storage().data_ptr()
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert all(p.untyped_storage().data_ptr() == arena for p in parts)  # the originals view the arena
+    if quant is None:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight.data_ptr() == head.weight.data_ptr()
+    else:
+        assert model.model.embed_tokens.source is model.lm_head
+    ptrs = [t.data_ptr() for t in streams]
+    model.prepare()
+    assert [fn.data_ptr() for fn in streams] == ptrs
+    assert same_bits(Runner(model).prefill("a", list(range(3, 30))), ref)

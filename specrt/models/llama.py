@@ -17,7 +17,9 @@ layers (QuantLinear) always run quantized. ``set_linear_kernel(0)`` switches the
 CPU overhead (a decode step is dominated by per-op costs, not FLOPs, outside the projections):
 q/k/v and gate/up are fused into one projection each (``prepare``: the fused tensor is the storage
 of the original parameters, so state_dict names and memory are unchanged — note safetensors'
-``save_file`` refuses such shared storage: ``.clone()`` the tensors first). On the CPU, float32 /
+``save_file`` refuses such shared storage: ``.clone()`` the tensors first), and on the CPU every
+projection's weights then move into one huge-page arena in the order a forward reads them
+(``linear.pack_projections``: one sequential stream instead of 121 separate ones). On the CPU, float32 /
 bfloat16 models then run each layer as ~9 kernels (``_forward_fused``): the residual add fused
 into the next RMSNorm (``ops.rms_norm(residual=)``), RoPE on q and k plus the KV-cache store in one
 pass (``ops.rotary_write_kv``), SwiGLU's silu * up (``ops.silu_mul``); the residual stream stays
@@ -41,7 +43,8 @@ from specrt import ops
 from specrt.attention import AttentionMetadata, write_kv
 from specrt.models.attention_path import kernel_batch, paged_attention, paged_attention_sdpa  # noqa: F401
 from specrt.models.config import ModelConfig
-from specrt.models.linear import KernelPolicy, QuantEmbedding, QuantLinear, fuse_linears, prepare_linear
+from specrt.models.linear import (KernelPolicy, QuantEmbedding, QuantLinear, fuse_linears, pack_projections,
+                                  prepare_linear)
 
 _NORM = torch.ops.specrt.rms_norm.default
 _ADD_NORM = torch.ops.specrt.add_rms_norm_.default
@@ -320,6 +323,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.prepare(self.linear_policy)
         self._lm_head = prepare_linear(self.lm_head, self.linear_policy)
+        if self.device.type == "cpu":  # the weights in the order a forward streams them, in one arena
+            order = [fn for layer in self.model.layers for fn in (layer.self_attn._qkv, layer.self_attn._o,
+                                                                   layer.mlp._gate_up, layer.mlp._down)]
+            pack_projections(order + [self._lm_head], self)
         dtype = self.dtype
         self._fused = (self.fused_ops and self.device.type == "cpu" and dtype in ops.FUSED_DTYPES
                        and all(layer.fusable(dtype) for layer in self.model.layers))
