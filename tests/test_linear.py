@@ -445,3 +445,62 @@ def test_prepare_packs_weights_in_forward_order(tiny, quant):
     model.prepare()
     assert [fn.data_ptr() for fn in streams] == ptrs
     assert same_bits(Runner(model).prefill("a", list(range(3, 30))), ref)
+
+
+# ----------------------------------------------------------------------------- engine options
+def _param_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+@pytest.mark.skipif(not (BUILTIN / "draft" / "config.json").is_file(), reason="built-in pair not present")
+def test_engine_quantized_models_stay_quantized_and_exact():
+    """draft_quantize / draft_dtype / target_quantize: the draft's projections stay QuantLinear (its memory
+    shrinks accordingly) and greedy speculative output equals autoregressive output of the same target."""
+    import specrt
+
+    ar = specrt.LLM(target="builtin", draft=None, seed=0)
+    float_draft = specrt.LLM(target="builtin", draft="builtin", seed=0).engine.drafter.model
+    for kind, ddt in (("int8", None), ("q4_1", "bfloat16")):
+        llm = specrt.LLM(target="builtin", draft="builtin", seed=0, draft_quantize=kind, draft_dtype=ddt,
+                         spec=specrt.SpecConfig(max_draft_length=3))
+        draft = llm.engine.drafter.model
+        assert all(isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.kind == kind
+                   for layer in draft.model.layers)
+        assert draft.dtype == (torch.bfloat16 if ddt else torch.float32)
+        assert _param_bytes(draft) < (0.3 if kind == "int8" else 0.2) * _param_bytes(float_draft)
+        assert llm.engine.target.dtype == torch.float32 and not isinstance(llm.engine.target.lm_head, QuantLinear)
+        assert _greedy(llm, PROMPTS[:3], 24) == _greedy(ar, PROMPTS[:3], 24), kind
+    q_ar = specrt.LLM(target="builtin", draft=None, seed=0, target_quantize="q8_0")
+    q_spec = specrt.LLM(target="builtin", draft="builtin", seed=0, target_quantize="q8_0", draft_quantize="q8_0")
+    assert isinstance(q_spec.engine.target.lm_head, QuantLinear)
+    assert _greedy(q_spec, PROMPTS[:3], 24) == _greedy(q_ar, PROMPTS[:3], 24)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(draft="ngram", draft_quantize="int8"), "apply to a draft model"),
+    (dict(draft=None, draft_dtype="bfloat16"), "apply to a draft model"),
+    (dict(draft="builtin", draft_quantize="q3_k"), "draft_quantize must be None or one of"),
+    (dict(draft=None, target_quantize="fp8"), "target_quantize must be None or one of"),
+    (dict(draft="builtin", draft_dtype="float64"), "draft_dtype: dtype 'float64' is not supported"),
+])
+def test_engine_quantize_options_validate(kwargs, msg):
+    import specrt
+
+    with pytest.raises(ValueError, match=msg):
+        specrt.LLMEngine("builtin", **kwargs)
+
+
+def test_serve_and_demo_flags():
+    from specrt.server.serve import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["--target-model", "builtin", "--speculative-decoding", "--draft-model",
+                                      "builtin", "--draft-quantize", "q4_1", "--target-quantize", "int8",
+                                      "--draft-dtype", "bfloat16"])
+    kw = engine_kwargs(args)
+    assert (kw["draft_quantize"], kw["target_quantize"], kw["draft_dtype"]) == ("q4_1", "int8", "bfloat16")
+    plain = engine_kwargs(build_parser().parse_args(["--target-model", "builtin"]))
+    assert not {"draft_quantize", "target_quantize", "draft_dtype"} & set(plain)
+    with pytest.raises(ValueError, match="need a draft model"):
+        engine_kwargs(build_parser().parse_args(["--target-model", "builtin", "--draft-quantize", "int8"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--target-model", "builtin", "--draft-quantize", "q3"])
