@@ -9,7 +9,7 @@
 2. A SmolLM2-135M-shaped Llama (30 layers, hidden 576, intermediate 1536, 9 heads / 3 KV
    heads, vocab 49152, tied embeddings; random weights) at context ~100, batch 1: the
    1-token forward and a 5-token verify forward in fp32, bf16, int8 (per row), q8_0, q4_0 and
-   q4_1, with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
+   q4_1 (and "-a8": the same with int8 activations, opt-in), with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
    F.linear; torch's ``_weight_int8pack_mm`` for int8; no torch path for the GGUF formats).
    floor = bytes of the weights a forward streams (every projection + the LM head) / copy GB/s.
    "linears" times just the forward's projections and LM head (the kernels' part of it).
@@ -59,7 +59,7 @@ SMOLLM2_135M = {
 }
 # (name, N, K) of one layer's fused projections and the LM head
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
-MODES = ("fp32", "bf16", "int8", "q8_0", "q4_0", "q4_1")
+MODES = ("fp32", "bf16", "int8", "q8_0", "q4_0", "q4_1", "int8-a8", "q4_1-a8")  # -a8: int8 activations
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time; 1 thread only)
@@ -109,10 +109,12 @@ def build_model(mode: str) -> LlamaForCausalLM:
             if "norm" not in name:
                 p.normal_(0, 0.02)
     model.eval().requires_grad_(False)
-    if mode == "bf16":
+    kind, a8 = mode.removesuffix("-a8"), mode.endswith("-a8")
+    if kind == "bf16":
         model = model.to(torch.bfloat16)
-    elif mode != "fp32":
-        quantize_model_(model, mode)
+    elif kind != "fp32":
+        quantize_model_(model, kind)
+    model.set_int8_activations(a8)  # "-a8": int8 activations (opt-in mode of the quantized kinds)
     return model.prepare()
 
 
@@ -206,7 +208,7 @@ def format_model_row(r: dict) -> str:
         return f"{v:8.2f}" if v else "       -"
 
     ratio_t = f"{r['torch5_ms'] / r['torch1_ms']:5.2f}" if r["torch1_ms"] else "    -"
-    return (f"| {r['mode']:5s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
+    return (f"| {r['mode']:7s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
             f"| {pct(r['ours1_ms'])} | {ms(r['ours5_ms'])} | {r['ours5_ms'] / r['ours1_ms']:5.2f} "
             f"| {ms(r['linears1_ms'])} | {pct(r['linears1_ms'])} | {r['linears5_ms'] / r['linears1_ms']:5.2f} "
             f"| {ms(r['torch1_ms'])} | {pct(r['torch1_ms'])} | {ms(r['torch5_ms'])} | {ratio_t} |")
@@ -301,7 +303,7 @@ def print_goals(out: dict) -> None:
                          f"({r['ours1_ms']:.2f} ms)", f"floor {r['floor_ms']:.2f} ms = {r['weight_mb']:.0f} MB / "
                          f"{out['bandwidth']['copy_gbs']:.1f} GB/s"))
             rows.append((f"5-token verify / 1-token, {mode}", "<= 1.15x", f"{r['ours5_ms'] / r['ours1_ms']:.2f}x", ""))
-    for mode in ("int8", "q8_0", "q4_0", "q4_1"):
+    for mode in ("int8", "q8_0", "q4_0", "q4_1", "int8-a8", "q8_0-a8", "q4_0-a8", "q4_1-a8"):
         r = model.get(mode)
         if r:
             rows.append((f"5-token verify / 1-token, {mode}", "(as low as possible)",

@@ -527,6 +527,37 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """quant_linear with x quantized to int8 on the fly (opt-in: changes the numerics).
+
+    Each row of x is quantized per block of 32 features (``dx = max|x| / 127``, ``xq =
+    rint(x / dx)``, llama.cpp's Q8_1 activations) and multiplied with the quantized weight in
+    integers (AVX-512-VNNI ``vpdpbusd`` where the CPU has it; a portable path with the same bits
+    elsewhere), scaled per block in float32 (csrc/cpu/linear_dynamic.h). Batch-invariant like
+    ``quant_linear``; the result differs from it by the activation rounding (~0.5% of |y| on
+    random data), so ``reference.quant_linear_dynamic`` is its oracle, not ``quant_linear``.
+
+    Shape: as quant_linear, with K a multiple of 32 for every kind (int8 included).
+    Returns: y [..., N] in x's dtype.
+
+    Example:
+        >>> y = ops.quant_linear_dynamic(x, qweight, d, m, None, "q4_1")
+    """
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+    x2 = _linear_input(x)
+    if x2.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU (int8 activations are a CPU mode), got {x2.device}")
+    y = torch.ops.specrt.quant_linear_dynamic(x2, qweight, scales, mins, bias, kind)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_dynamic_vnni() -> bool:
+    """Whether quant_linear_dynamic runs on AVX-512-VNNI now (else its portable path: the same bits)."""
+    return bool(torch.ops.specrt.linear_dynamic_vnni())
+
+
 def linear_isa_names() -> list[str]:
     """ISAs the linear kernel can use on this CPU, best first (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
     return list(torch.ops.specrt.linear_isa_names())
@@ -546,6 +577,11 @@ def _linear_fake(x, weight, bias=None):
 
 @torch.library.register_fake("specrt::quant_linear")
 def _quant_linear_fake(x, qweight, scales, mins, bias, kind):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.register_fake("specrt::quant_linear_dynamic")
+def _quant_linear_dynamic_fake(x, qweight, scales, mins, bias, kind):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 

@@ -362,6 +362,28 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     return linear(x, dequantize_weight(qweight, scales, mins, kind), bias)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) -> (xq [M, K] int8 values as float32, dx [M, K/32]) per block of 32:
+    dx = max|x| / 127, xq = clamp(rint(x * (1 / dx)), -127, 127) (0 where dx == 0)."""
+    xb = x.float().reshape(x.shape[0], -1, QUANT_GROUP)
+    dx = xb.abs().amax(-1) / 127.0
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return xq.reshape(x.shape[0], -1), dx
+
+
+def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """ops.quant_linear_dynamic in float64: sum over blocks of (dequantized w) . (dx * xq); x's dtype out."""
+    xq, dx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    xd = (xq.double().reshape(xq.shape[0], -1, QUANT_GROUP) * dx.double()[..., None]).reshape(xq.shape)
+    w = dequantize_weight(qweight, scales, mins, kind).double()
+    y = xd @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 # --------------------------------------------------------------------------- #
 # Fused decoder ops (specrt.ops.rms_norm / silu_mul / rotary_write_kv): the same
 # math as op-by-op torch code in the tensors' dtype (transformers' roundings)

@@ -504,3 +504,63 @@ def test_serve_and_demo_flags():
         engine_kwargs(build_parser().parse_args(["--target-model", "builtin", "--draft-quantize", "int8"]))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--target-model", "builtin", "--draft-quantize", "q3"])
+
+
+# ----------------------------------------------------------------------------- int8 activations (opt-in)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_int8_activations_isa_rows_and_reference(kind, xdt):
+    """quant_linear_dynamic: VNNI and portable paths agree bit for bit, rows are batch-invariant, and the
+    result equals the float64 reference of the quantized activations; its distance from the float
+    activations (quant_linear) is the activation rounding only."""
+    for n, k in ((37, 96), (64, 576), (5, 32)):  # 96: an odd number of blocks
+        q, s, mn, b = quant_args(n, k, kind, seed=n, bias=True)
+        x = rand(9, k, dtype=xdt, seed=k)
+        x[2, :32] = 0  # a block of zeros (dx = 0)
+        x[3, 5] = 1e30  # one huge value: the rest of its block rounds to 0
+        y = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
+        prev = ops.set_linear_isa("scalar")
+        try:
+            assert not ops.linear_dynamic_vnni()
+            portable = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
+        finally:
+            ops.set_linear_isa(prev)
+        assert same_bits(y, portable)
+        assert same_bits(y, torch.cat([ops.quant_linear_dynamic(x[i:i + 1], q, s, mn, b, kind) for i in range(9)]))
+        keep = [0, 1, 2, 4, 5, 6, 7, 8]  # row 3's huge value would dwarf every tolerance
+        ref = reference.quant_linear_dynamic(x, q, s, mn, b, kind)[keep].float()
+        scale = ref.abs().max()
+        tol = 1e-5 if xdt == torch.float32 else 1e-2
+        assert (y[keep].float() - ref).abs().max() <= tol * scale
+        exact = ops.quant_linear(x, q, s, mn, b, kind)[keep].float()
+        assert (y[keep].float() - exact).abs().max() < 0.02 * scale
+
+
+def test_int8_activations_opcheck_and_errors():
+    q, s, mn, b = quant_args(6, 64, "q4_1", bias=True)
+    torch.library.opcheck(torch.ops.specrt.quant_linear_dynamic.default, (rand(3, 64), q, s, mn, b, "q4_1"))
+    qi, si, _, _ = quant_args(6, 40, "int8")
+    with pytest.raises(ValueError, match="int8 activations need a multiple of 32"):
+        ops.quant_linear_dynamic(rand(2, 40), qi, si, None, None, "int8")
+    with pytest.raises(ValueError, match="mins must be given"):
+        ops.quant_linear_dynamic(rand(2, 64), q, s, None, None, "q4_1")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_int8_activations_model_verify_equals_decode(tiny, kind):
+    """With int8 activations switched on a quantized model still gives verify rows equal to single
+    decodes bit for bit, and logits near the float-activation model's."""
+    from _model_utils import Runner
+    from specrt.models import load_model
+
+    model = load_model(tiny["qwen2"], quantize=kind)
+    base = Runner(model).prefill("b", list(range(3, 30)))
+    model.set_int8_activations(True)
+    r1, r2 = Runner(model), Runner(model)
+    a8 = r1.prefill("v", list(range(3, 30)))
+    assert not torch.equal(a8, base) and (a8 - base).abs().max() < 0.05 * base.abs().max()
+    drafts = [7, 19, 4, 100]
+    verify = r1.decode("v", drafts)
+    r2.prefill("s", list(range(3, 30)))
+    singles = [r2.decode("s", [t])[0] for t in drafts]
+    assert same_bits(verify, torch.stack(singles))

@@ -43,6 +43,7 @@ _GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # fp16 d [, fp16 m], q
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _LINEAR = torch.ops.specrt.linear.default
 _QUANT_LINEAR = torch.ops.specrt.quant_linear.default
+_QUANT_LINEAR_DYNAMIC = torch.ops.specrt.quant_linear_dynamic.default
 
 
 _HUGEPAGES = os.environ.get("SPECRT_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
@@ -147,8 +148,11 @@ class KernelPolicy:
     """Shared by a model's prepared projections.
 
     max_rows: x rows up to which float projections use the small-M kernel (0: torch's
-    F.linear everywhere, and quantized layers take torch's path too — for comparisons)."""
+    F.linear everywhere, and quantized layers take torch's path too — for comparisons).
+    int8_activations: quantized layers quantize x to int8 on the fly (``ops.quant_linear_dynamic``;
+    opt-in, changes the numerics; CPU, K % 32 == 0, else the float path)."""
     max_rows: int = SMALL_M
+    int8_activations: bool = False
 
 
 # ----------------------------------------------------------------------------- formats
@@ -362,7 +366,9 @@ def _quant_call(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         xk = x2 if x2.dtype in _KERNEL_DTYPES else x2.float()
-        y = _QUANT_LINEAR(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind).to(x.dtype)
+        op = _QUANT_LINEAR_DYNAMIC if m.policy is not None and m.policy.int8_activations \
+            and m.in_features % GROUP == 0 else _QUANT_LINEAR
+        y = op(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind).to(x.dtype)
     elif m.kind == "int8" and x2.dtype in _KERNEL_DTYPES:  # torch's weight-only int8 (gpt-fast's path)
         y = torch._weight_int8pack_mm(x2.contiguous(), m.weight, m.weight_scale.to(x2.dtype))
         if m.bias is not None:

@@ -347,6 +347,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"max_rows must be an integer >= 0, got {max_rows!r}")
         self.linear_policy.max_rows = max_rows
 
+    def set_int8_activations(self, enabled: bool) -> None:
+        """Opt-in: quantized layers quantize their input to int8 per row and block of 32 and multiply
+        in integers (``ops.quant_linear_dynamic``, AVX-512-VNNI): faster decoding of int8 / GGUF-format
+        weights, at the price of the activation rounding (logits move by ~0.5%). Verify == decode
+        and batch invariance still hold; float projections are unaffected."""
+        self.linear_policy.int8_activations = bool(enabled)
+
     def _invalidate_fast_path(self) -> None:
         self._prepared = False
 
