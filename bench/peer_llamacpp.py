@@ -5,7 +5,8 @@ specrt decodes the same shapes and formats with its model-level loop (metadata, 
 argmax; no engine): the GGUF's own weights when ``load_model`` can read the file, else the
 ``--specrt-model`` HF folder, else random weights (Q4_1 projections, Q8_0 tied embeddings / LM
 head, as in the file). Both generate ``new_tokens`` greedy tokens after the same prompt, timed
-alternately; prompt processing included on both sides.
+alternately; prompt processing included on both sides. specrt runs twice: its default (exact) path and
+with int8 activations (opt-in, ``set_int8_activations``), the scheme llama.cpp itself uses (Q8_1).
 """
 from __future__ import annotations
 
@@ -113,8 +114,15 @@ def compare(shapes: dict, gguf: str | None, hf_folder: str | None, repeats: int,
     model, source = specrt_model(gguf, hf_folder, shapes)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 10000, (prompt_len,), generator=g).tolist()
-    fns = {"llama.cpp": llama_cpp_decode(gguf, prompt, new_tokens, threads),
-           "specrt": specrt_decode(model, prompt, new_tokens)}
+    decode = specrt_decode(model, prompt, new_tokens)
+
+    def with_a8(enabled: bool):
+        def run():
+            model.set_int8_activations(enabled)
+            return decode()
+        return run
+    fns = {"llama.cpp": llama_cpp_decode(gguf, prompt, new_tokens, threads), "specrt": with_a8(False),
+           "specrt int8-act": with_a8(True)}
     ts: dict[str, list[float]] = {k: [] for k in fns}
     outs = {k: fn() for k, fn in fns.items()}  # warm-up
     for _ in range(repeats):
@@ -127,9 +135,11 @@ def compare(shapes: dict, gguf: str | None, hf_folder: str | None, repeats: int,
     same = outs["llama.cpp"] == outs["specrt"]
     print(f"\nplain greedy decoding, {new_tokens} tokens after a {prompt_len}-token prompt, {threads} thread(s), "
           f"{'process CPU time' if threads == 1 else 'wall time'}; specrt: {source}")
-    print(f"| engine | tokens/s | ms/token |\n|---|---|---|\n| llama.cpp | {tps['llama.cpp']:.1f} | "
-          f"{1e3 / tps['llama.cpp']:.2f} |\n| specrt | {tps['specrt']:.1f} | {1e3 / tps['specrt']:.2f} |")
-    print(f"specrt / llama.cpp: {tps['specrt'] / tps['llama.cpp']:.2f}x; same tokens: {same}")
+    print("| engine | tokens/s | ms/token |\n|---|---|---|")
+    for k, v in tps.items():
+        print(f"| {k} | {v:.1f} | {1e3 / v:.2f} |")
+    print(f"specrt / llama.cpp: {tps['specrt'] / tps['llama.cpp']:.2f}x (int8 activations, opt-in: "
+          f"{tps['specrt int8-act'] / tps['llama.cpp']:.2f}x); same tokens: {same}")
     nbytes = sum(m.nbytes for m in model.modules() if isinstance(m, QuantLinear))  # what a token streams
     return {"source": source, "gguf": gguf, "tokens_per_s": tps, "same_tokens": same, "new_tokens": new_tokens,
             "weights_from_gguf": source.startswith("the GGUF"), "weight_bytes": nbytes}
