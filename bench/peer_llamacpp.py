@@ -42,7 +42,7 @@ def quantize_like_gguf(model: LlamaForCausalLM) -> LlamaForCausalLM:
     quantize_model_(model, "q4_1")
     model.lm_head = QuantLinear.from_float(head, "q8_0")
     model.model.embed_tokens = QuantEmbedding(model.lm_head, model.dtype, owned=False)
-    model._invalidate_fast_path()
+    model.invalidate_prepared()
     return model
 
 

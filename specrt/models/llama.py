@@ -367,7 +367,9 @@ class LlamaForCausalLM(nn.Module):
         and batch invariance still hold; float projections are unaffected."""
         self.linear_policy.int8_activations = bool(enabled)
 
-    def _invalidate_fast_path(self) -> None:
+    def invalidate_prepared(self) -> None:
+        """Forget the prepared fast path (fused projections, weight arena); call after replacing a
+        layer module (quantizing, sharding), so the next forward prepares again."""
         self._prepared = False
 
     def _apply(self, fn, *args, **kwargs):
