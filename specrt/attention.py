@@ -24,6 +24,14 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
         ops.copy_blocks(caches, block_mapping)
 
 
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device``: as is for the CPU; else staged in pinned memory (torch's caching host
+    allocator keeps it alive until the copy is done) and copied without blocking (host -> device only)."""
+    if device is None or torch.device(device).type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _dedupe_shared_slots(slots: list[int], token_ids: list[int]) -> None:
     """In place: later rows that write an already-written slot with the same token get -1."""
     if len(token_ids) != len(slots):
@@ -160,20 +168,21 @@ class AttentionMetadata:
         for q in query_lens:
             qsl.append(qsl[-1] + q)
 
-        def t(x, dtype):  # host -> device copies only, never device -> host
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
+        # every int64 field from ONE host tensor (one copy to the device), the block tables from another
+        parts = (qsl, list(seq_lens), slots, list(query_lens), req_ids, q_idx)
+        ints = torch.split(_to_device(torch.tensor([v for p in parts for v in p], dtype=torch.int64), device),
+                           [len(p) for p in parts])
         return AttentionMetadata(
-            query_start_loc=t(qsl, torch.int64),
-            seq_lens=t(list(seq_lens), torch.int64),
-            block_tables=t(bt_pad, torch.int32).view(B, max_blocks),
-            slot_mapping=t(slots, torch.int64),
+            query_start_loc=ints[0],
+            seq_lens=ints[1],
+            block_tables=_to_device(torch.tensor(bt_pad, dtype=torch.int32), device).view(B, max_blocks),
+            slot_mapping=ints[2],
             query_lens_host=[int(q) for q in query_lens],
             seq_lens_host=[int(s) for s in seq_lens],
             block_size=block_size,
-            query_lens=t(list(query_lens), torch.int64),
-            token_request_ids=t(req_ids, torch.int64),
-            token_query_idx=t(q_idx, torch.int64),
+            query_lens=ints[3],
+            token_request_ids=ints[4],
+            token_query_idx=ints[5],
             context_lens_host=context_lens,
         )
 

@@ -50,6 +50,12 @@ def demo(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="fixed", choices=["fixed", "confidence", "head", "budget"])
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--target-quantize", default=None, choices=["int8", "q8_0", "q4_0", "q4_1"],
+                   help="weight-only quantized target (every mode, autoregressive included)")
+    p.add_argument("--draft-quantize", default=None, choices=["int8", "q8_0", "q4_0", "q4_1"],
+                   help="weight-only quantized draft model (model drafters only)")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (default: the target's)")
     args = p.parse_args(argv)
 
     import torch
@@ -68,12 +74,17 @@ def demo(argv: list[str] | None = None) -> int:
           f"{len(texts)} held-out code prompts, {args.max_tokens} tokens each, batch 1, "
           f"median of {args.repeats} alternating runs", flush=True)
     engines = {"autoregressive": specrt.LLM(target=args.target, draft=None, device=args.device,
-                                            spec=specrt.SpecConfig(max_batch_size=1))}
+                                            spec=specrt.SpecConfig(max_batch_size=1),
+                                            target_quantize=args.target_quantize)}
     for d in drafts:
+        model_draft = not d.startswith(("ngram", "self:"))
         engines[f"speculative ({d})"] = specrt.LLM(
             target=args.target, draft=d, device=args.device,
             spec=specrt.SpecConfig(max_draft_length=args.draft_length, acceptance=args.acceptance,
-                                   policy=args.policy, max_batch_size=1))
+                                   policy=args.policy, max_batch_size=1),
+            target_quantize=args.target_quantize,
+            draft_quantize=args.draft_quantize if model_draft else None,
+            draft_dtype=args.draft_dtype if model_draft else None)
     for llm in engines.values():
         llm.warmup(2, 8)
     times: dict[str, list[float]] = {k: [] for k in engines}

@@ -25,7 +25,8 @@ import torch
 from specrt.config import SamplingParams, SpecConfig
 from specrt.drafters import Drafter, DraftProposal, DraftSettings, make_drafter, module_bytes, no_drafts
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
-from specrt.loading import ModelLoader, default_loader, resolve_engine_dtype, resolve_model_path
+from specrt.loading import (ModelLoader, check_quantize, default_loader, quantized_loader, resolve_engine_dtype,
+                            resolve_model_path)
 from specrt.attention import KVWindow
 from specrt.health import HealthRanges
 from specrt.metrics import EngineMetrics, StepSample
@@ -43,6 +44,11 @@ HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the 
 class LLMEngine:
     """Continuous-batching speculative engine (thread-compatible: one thread steps).
 
+    ``target_quantize`` / ``draft_quantize`` (None, "int8", "q8_0", "q4_0", "q4_1"): load that model with
+    weight-only quantized layers that stay quantized; ``draft_dtype``: the draft model's activation
+    dtype (default: the engine's ``dtype``). Greedy output stays token-identical to autoregressive
+    decoding of the same target (a quantized target is a different model: compare against itself).
+
     Hooks (public, for tensor parallelism, benchmarks and tests): ``model_loader(path, role,
     dtype, device)`` loads each model; ``wrap_drafter(drafter) -> drafter`` wraps or adjusts
     the drafter built from ``draft``; ``agree_ks(ks) -> ks`` replaces every step's K (tensor
@@ -50,6 +56,7 @@ class LLMEngine:
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, spec: SpecConfig | None = None,
                  device: str | torch.device | None = None, dtype=None, seed: int | None = None, *,
+                 target_quantize: str | None = None, draft_quantize: str | None = None, draft_dtype=None,
                  model_loader: ModelLoader | None = None, wrap_drafter: Callable[[Drafter], Drafter] | None = None,
                  agree_ks: Callable[[list[int]], list[int]] | None = None, health: HealthRanges | None = None):
         self.spec = spec or SpecConfig()
@@ -57,7 +64,13 @@ class LLMEngine:
         load = model_loader or default_loader
         target_path = resolve_model_path(target, "target")
         dtype = resolve_engine_dtype(dtype, self.device, target_path)
-        self.target = load(target_path, "target", dtype, self.device)
+        # weight-only quantized models stay quantized (specrt.models.quant); draft_dtype: the draft's activations
+        draft_load = quantized_loader(load, check_quantize(draft_quantize, "draft_quantize"), draft_dtype)
+        if draft_load is not load and (not isinstance(draft, (str, Path)) or str(draft).startswith(("ngram", "self:"))
+                                       or str(draft) == "none"):
+            raise ValueError(f"draft_quantize / draft_dtype apply to a draft model, got draft={draft!r}")
+        self.target = quantized_loader(load, check_quantize(target_quantize, "target_quantize"))(
+            target_path, "target", dtype, self.device)
         self.tokenizer = load_tokenizer(target_path)
         self.generation_config = load_generation_config(target_path)
         self.vocab_size = self.target.config.vocab_size
@@ -65,7 +78,7 @@ class LLMEngine:
         window = KVWindow(self.spec.draft_kv_sinks, self.spec.draft_kv_window) if self.spec.draft_kv_window else None
         settings = DraftSettings(self.vocab_size, self.eos_token_ids, self.spec.acceptance == "coupled", self.device,
                                  kv_window=window)
-        self.drafter = make_drafter(draft, target_path, self.target, settings, load, dtype,
+        self.drafter = make_drafter(draft, target_path, self.target, settings, draft_load, dtype,
                                     accept_head=self.spec.policy == "head")
         if self.drafter is not None and wrap_drafter is not None:
             self.drafter = wrap_drafter(self.drafter)

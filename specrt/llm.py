@@ -17,10 +17,17 @@ from specrt.warmup import warm_up
 class LLM:
     def __init__(self, target: str | Path = "builtin", draft: str | Path | None = None,
                  spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None,
-                 tensor_parallel_size: int = 1, **engine_hooks):
-        """``engine_hooks``: LLMEngine's keyword hooks (model_loader, wrap_drafter; single process)."""
+                 tensor_parallel_size: int = 1, *, target_quantize: str | None = None,
+                 draft_quantize: str | None = None, draft_dtype=None, **engine_hooks):
+        """``target_quantize`` / ``draft_quantize`` / ``draft_dtype``: see LLMEngine (weight-only quantized
+        models that stay quantized; the draft's dtype). ``engine_hooks``: LLMEngine's keyword hooks
+        (model_loader, wrap_drafter; single process)."""
+        for name, value in (("target_quantize", target_quantize), ("draft_quantize", draft_quantize),
+                            ("draft_dtype", draft_dtype)):
+            if value is not None:
+                engine_hooks[name] = value
         if tensor_parallel_size != 1 and engine_hooks:
-            raise ValueError(f"engine hooks {sorted(engine_hooks)} are not supported with tensor parallelism")
+            raise ValueError(f"engine options {sorted(engine_hooks)} are not supported with tensor parallelism")
         self.engine = create_engine(target, draft, spec, device, dtype, seed,
                                     tensor_parallel_size=tensor_parallel_size, **engine_hooks)
         self.tokenizer = self.engine.tokenizer

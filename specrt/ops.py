@@ -598,6 +598,37 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """quant_linear with x quantized to int8 on the fly (opt-in: changes the numerics).
+
+    Each row of x is quantized per block of 32 features (``dx = max|x| / 127``, ``xq =
+    rint(x / dx)``, llama.cpp's Q8_1 activations) and multiplied with the quantized weight in
+    integers (AVX-512-VNNI ``vpdpbusd`` where the CPU has it; a portable path with the same bits
+    elsewhere), scaled per block in float32 (csrc/cpu/linear_dynamic.h). Batch-invariant like
+    ``quant_linear``; the result differs from it by the activation rounding (~0.5% of |y| on
+    random data), so ``reference.quant_linear_dynamic`` is its oracle, not ``quant_linear``.
+
+    Shape: as quant_linear, with K a multiple of 32 for every kind (int8 included).
+    Returns: y [..., N] in x's dtype.
+
+    Example:
+        >>> y = ops.quant_linear_dynamic(x, qweight, d, m, None, "q4_1")
+    """
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+    x2 = _linear_input(x)
+    if x2.device.type != "cpu":
+        raise ValueError(f"x must be on the CPU (int8 activations are a CPU mode), got {x2.device}")
+    y = torch.ops.specrt.quant_linear_dynamic(x2, qweight, scales, mins, bias, kind)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_dynamic_vnni() -> bool:
+    """Whether quant_linear_dynamic runs on AVX-512-VNNI now (else its portable path: the same bits)."""
+    return bool(torch.ops.specrt.linear_dynamic_vnni())
+
+
 def linear_isa_names() -> list[str]:
     """ISAs the linear kernel can use on this CPU, best first (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
     return list(torch.ops.specrt.linear_isa_names())
@@ -618,3 +649,92 @@ def _linear_fake(x, weight, bias=None):
 @torch.library.register_fake("specrt::quant_linear")
 def _quant_linear_fake(x, qweight, scales, mins, bias, kind):
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+@torch.library.register_fake("specrt::quant_linear_dynamic")
+def _quant_linear_dynamic_fake(x, qweight, scales, mins, bias, kind):
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+# --------------------------------------------------------------------------- #
+# Fused decoder kernels: RMSNorm (+ residual add), SwiGLU, RoPE + KV store
+# (csrc/cpu/fused_kernel.h; CPU only, float32 / bfloat16)
+# --------------------------------------------------------------------------- #
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * round(x / sqrt(mean(x^2) + eps))`` per row, as transformers' LlamaRMSNorm.
+
+    With ``residual``: first ``residual += x`` in place (rounded to its dtype), then the sum
+    is normalized — the decoder's residual add and the next layer norm in one pass. Statistics
+    in float32 with a fixed order per row: the result of a row never depends on the other
+    rows, the thread count or the ISA. "round" is to x's dtype (bf16: where transformers rounds).
+
+    Shape: x [T, H] float32 or bfloat16 (unit stride in H); weight [H] in x's dtype;
+    residual [T, H] like x or None.
+    Returns: [T, H] in x's dtype (a new tensor).
+
+    Example:
+        >>> h = ops.rms_norm(delta, w, 1e-5, residual=stream)  # stream += delta; h = norm(stream)
+    """
+    if residual is None:
+        return torch.ops.specrt.rms_norm(x, weight, float(eps))
+    return torch.ops.specrt.add_rms_norm_(residual, x, weight, float(eps))
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: ``round(round(silu(g)) * u)`` for ``x = [g | u]`` (the fused gate/up output).
+
+    silu(g) = g / (1 + exp(-g)) with specrt's own exp (< 2 ulp from the true value; the same
+    bits on every ISA), so a float32 result can differ from torch's by an ulp.
+
+    Shape: x [T, 2I] float32 or bfloat16 (unit stride in the last dim).
+    Returns: [T, I] in x's dtype.
+
+    Example:
+        >>> a = ops.silu_mul(gate_up(h))   # [T, I]
+    """
+    return torch.ops.specrt.silu_mul(x)
+
+
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+                    q_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RoPE on q and k of a fused q/k/v projection, then k and v into the paged KV cache.
+
+    Each head vector x becomes ``x * cos + rotate_half(x) * sin`` with every product and the
+    sum rounded to qkv's dtype (transformers' order). k is rotated in place in ``qkv``; q is
+    returned as a new contiguous tensor (in ``q_dtype``: float32 widens the rounded values
+    exactly). Rows whose slot is -1 are not stored; a repeated slot keeps the last row.
+
+    Shape: qkv [T, (H + 2 Hkv) D] float32 or bfloat16 (q | k | v, unit stride in the last dim);
+    cos, sin [T, D] in qkv's dtype; kv_cache [layers, 2, num_blocks, block_size, Hkv, D]
+    float32 or bfloat16, contiguous; slot_mapping [T] int64 in [-1, num_blocks * block_size).
+    Returns: q [T, H, D] in q_dtype (default qkv's dtype).
+
+    Example:
+        >>> q = ops.rotary_write_kv(qkv, cos, sin, 9, 3, cache, layer=0, slot_mapping=slots)
+    """
+    return torch.ops.specrt.rotary_write_kv(qkv, cos, sin, int(num_heads), int(num_kv_heads), kv_cache, int(layer),
+                                            slot_mapping, q_dtype)
+
+
+@torch.library.register_fake("specrt::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("specrt::add_rms_norm_")
+def _add_rms_norm_fake(residual, x, weight, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("specrt::silu_mul")
+def _silu_mul_fake(x):
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+@torch.library.register_fake("specrt::rotary_write_kv")
+def _rotary_write_kv_fake(qkv, cos, sin, num_heads, num_kv_heads, kv_cache, layer, slot_mapping, q_dtype=None):
+    return qkv.new_empty(qkv.shape[0], num_heads, cos.shape[1], dtype=q_dtype or qkv.dtype)

@@ -397,3 +397,64 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
                  bias: torch.Tensor | None, kind: str) -> torch.Tensor:
     """linear() over the dequantized weight."""
     return linear(x, dequantize_weight(qweight, scales, mins, kind), bias)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) -> (xq [M, K] int8 values as float32, dx [M, K/32]) per block of 32:
+    dx = max|x| / 127, xq = clamp(rint(x * (1 / dx)), -127, 127) (0 where dx == 0)."""
+    xb = x.float().reshape(x.shape[0], -1, QUANT_GROUP)
+    dx = xb.abs().amax(-1) / 127.0
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return xq.reshape(x.shape[0], -1), dx
+
+
+def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """ops.quant_linear_dynamic in float64: sum over blocks of (dequantized w) . (dx * xq); x's dtype out."""
+    xq, dx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    xd = (xq.double().reshape(xq.shape[0], -1, QUANT_GROUP) * dx.double()[..., None]).reshape(xq.shape)
+    w = dequantize_weight(qweight, scales, mins, kind).double()
+    y = xd @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# --------------------------------------------------------------------------- #
+# Fused decoder ops (specrt.ops.rms_norm / silu_mul / rotary_write_kv): the same
+# math as op-by-op torch code in the tensors' dtype (transformers' roundings)
+# --------------------------------------------------------------------------- #
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype); with ``residual``: residual += x first."""
+    if residual is not None:
+        residual.copy_(residual + x)
+        x = residual
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * r).to(x.dtype)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] (each op rounded to x's dtype, as transformers' MLP)."""
+    n = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :n]) * x[..., n:]
+
+
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+                    q_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin on q and k (k in place in qkv), then write_kv of k and v."""
+    T, D = qkv.shape[0], cos.shape[-1]
+    H, Hkv = num_heads, num_kv_heads
+    x = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
+    rot = torch.cat((-x[..., D // 2:], x[..., :D // 2]), dim=-1)
+    y = x * cos[:, None] + rot * sin[:, None]
+    x[:, H:] = y[:, H:]
+    k = x[:, H:]
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    for t, slot in enumerate(slot_mapping.tolist()):  # in row order: a repeated slot keeps the last row
+        if slot >= 0:
+            write_kv(kv_cache, layer, k[t:t + 1].to(kv_cache.dtype), v[t:t + 1].to(kv_cache.dtype),
+                     torch.tensor([slot]))
+    return y[:, :H].to(q_dtype or qkv.dtype).contiguous()

@@ -15,7 +15,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))      # the repository root: the bench package
+sys.path.append(str(Path(__file__).parent.parent))  # the bench package; after site-packages so an installed specrt wins
 from _engine_utils import make_pair  # noqa: E402
 
 from bench import cost_curve, costs, runner, sections, workloads  # noqa: E402

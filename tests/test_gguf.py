@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from _env import SPECRT_DIR
 from _model_utils import VOCAB, Runner, hf_logits, make_checkpoint
 
 from specrt.models import (check_draft_compatible, convert_gguf, load_config, load_generation_config, load_model,
@@ -18,7 +19,7 @@ from specrt.models import registry
 from specrt.models.gguf import BLOCK_KINDS, GGUFModel
 
 gguf = pytest.importorskip("gguf", reason="GGUF support needs the gguf package (pip install gguf)")
-BUILTIN_TARGET = Path(__file__).resolve().parent.parent / "specrt" / "builtin" / "target"
+BUILTIN_TARGET = SPECRT_DIR / "builtin" / "target"  # the package under test (installed in CI)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",

@@ -395,3 +395,172 @@ def test_bf16_greedy_speculative_equals_autoregressive():
     for k in (1, 7):
         assert _greedy(spec[k], PROMPTS[:4], 48) == expected, k
         assert _greedy(spec[k], PROMPTS[:1], 48) == expected[:1], k
+
+
+def _unpacked_logits(model, prompt):
+    """Logits of a model whose prepared projections keep their own tensors (packing switched off)."""
+    from unittest import mock
+
+    from _model_utils import Runner
+
+    with mock.patch("specrt.models.llama.pack_projections", lambda *a: False):
+        return Runner(model).prefill("a", prompt)
+
+
+@pytest.mark.parametrize("quant", [None, "q4_1", "int8"])
+def test_prepare_packs_weights_in_forward_order(tiny, quant):
+    """prepare() moves every projection's weights into one arena in the order a forward reads them:
+    values, state_dict names, ties and logits unchanged; no second copy stays referenced; preparing
+    again moves nothing."""
+    from _model_utils import Runner
+    from specrt.models import load_model
+
+    model = load_model(tiny["qwen2"], quantize=quant)  # tied embeddings, q/k/v bias
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = _unpacked_logits(load_model(tiny["qwen2"], quantize=quant), list(range(3, 30)))
+    model.prepare()
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    streams = []
+    for layer in model.model.layers:
+        for fn in (layer.self_attn._qkv, layer.self_attn._o, layer.mlp._gate_up, layer.mlp._down):
+            streams += [fn.weight] if quant is None else [t for t in (fn.__self__.weight_scale, fn.__self__.weight_min,
+                                                                     fn.__self__.weight) if t is not None]
+    head = model._lm_head
+    streams += [head.weight] if quant is None else [t for t in (head.__self__.weight_scale, head.__self__.weight_min,
+                                                               head.__self__.weight) if t is not None]
+    for a, b in zip(streams, streams[1:]):  # back to back, 64-byte aligned
+        gap = b.data_ptr() - a.data_ptr() - a.numel() * a.element_size()
+        assert 0 <= gap < 64
+    arena = streams[0].untyped_storage().data_ptr()
+    attn = model.model.layers[0].self_attn
+    parts = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert all(p.untyped_storage().data_ptr() == arena for p in parts)  # the originals view the arena
+    if quant is None:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.weight.data_ptr() == head.weight.data_ptr()
+    else:
+        assert model.model.embed_tokens.source is model.lm_head
+    ptrs = [t.data_ptr() for t in streams]
+    model.prepare()
+    assert [fn.data_ptr() for fn in streams] == ptrs
+    assert same_bits(Runner(model).prefill("a", list(range(3, 30))), ref)
+
+
+# ----------------------------------------------------------------------------- engine options
+def _param_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+@pytest.mark.skipif(not (BUILTIN / "draft" / "config.json").is_file(), reason="built-in pair not present")
+def test_engine_quantized_models_stay_quantized_and_exact():
+    """draft_quantize / draft_dtype / target_quantize: the draft's projections stay QuantLinear (its memory
+    shrinks accordingly) and greedy speculative output equals autoregressive output of the same target."""
+    import specrt
+
+    ar = specrt.LLM(target="builtin", draft=None, seed=0)
+    float_draft = specrt.LLM(target="builtin", draft="builtin", seed=0).engine.drafter.model
+    for kind, ddt in (("int8", None), ("q4_1", "bfloat16")):
+        llm = specrt.LLM(target="builtin", draft="builtin", seed=0, draft_quantize=kind, draft_dtype=ddt,
+                         spec=specrt.SpecConfig(max_draft_length=3))
+        draft = llm.engine.drafter.model
+        assert all(isinstance(layer.mlp.down_proj, QuantLinear) and layer.mlp.down_proj.kind == kind
+                   for layer in draft.model.layers)
+        assert draft.dtype == (torch.bfloat16 if ddt else torch.float32)
+        assert _param_bytes(draft) < (0.3 if kind == "int8" else 0.2) * _param_bytes(float_draft)
+        assert llm.engine.target.dtype == torch.float32 and not isinstance(llm.engine.target.lm_head, QuantLinear)
+        assert _greedy(llm, PROMPTS[:3], 24) == _greedy(ar, PROMPTS[:3], 24), kind
+    q_ar = specrt.LLM(target="builtin", draft=None, seed=0, target_quantize="q8_0")
+    q_spec = specrt.LLM(target="builtin", draft="builtin", seed=0, target_quantize="q8_0", draft_quantize="q8_0")
+    assert isinstance(q_spec.engine.target.lm_head, QuantLinear)
+    assert _greedy(q_spec, PROMPTS[:3], 24) == _greedy(q_ar, PROMPTS[:3], 24)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(draft="ngram", draft_quantize="int8"), "apply to a draft model"),
+    (dict(draft=None, draft_dtype="bfloat16"), "apply to a draft model"),
+    (dict(draft="builtin", draft_quantize="q3_k"), "draft_quantize must be None or one of"),
+    (dict(draft=None, target_quantize="fp8"), "target_quantize must be None or one of"),
+    (dict(draft="builtin", draft_dtype="float64"), "draft_dtype: dtype 'float64' is not supported"),
+])
+def test_engine_quantize_options_validate(kwargs, msg):
+    import specrt
+
+    with pytest.raises(ValueError, match=msg):
+        specrt.LLMEngine("builtin", **kwargs)
+
+
+def test_serve_and_demo_flags():
+    from specrt.server.serve import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["--target-model", "builtin", "--speculative-decoding", "--draft-model",
+                                      "builtin", "--draft-quantize", "q4_1", "--target-quantize", "int8",
+                                      "--draft-dtype", "bfloat16"])
+    kw = engine_kwargs(args)
+    assert (kw["draft_quantize"], kw["target_quantize"], kw["draft_dtype"]) == ("q4_1", "int8", "bfloat16")
+    plain = engine_kwargs(build_parser().parse_args(["--target-model", "builtin"]))
+    assert not {"draft_quantize", "target_quantize", "draft_dtype"} & set(plain)
+    with pytest.raises(ValueError, match="need a draft model"):
+        engine_kwargs(build_parser().parse_args(["--target-model", "builtin", "--draft-quantize", "int8"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--target-model", "builtin", "--draft-quantize", "q3"])
+
+
+# ----------------------------------------------------------------------------- int8 activations (opt-in)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_int8_activations_isa_rows_and_reference(kind, xdt):
+    """quant_linear_dynamic: VNNI and portable paths agree bit for bit, rows are batch-invariant, and the
+    result equals the float64 reference of the quantized activations; its distance from the float
+    activations (quant_linear) is the activation rounding only."""
+    for n, k in ((37, 96), (64, 576), (5, 32)):  # 96: an odd number of blocks
+        q, s, mn, b = quant_args(n, k, kind, seed=n, bias=True)
+        x = rand(9, k, dtype=xdt, seed=k)
+        x[2, :32] = 0  # a block of zeros (dx = 0)
+        x[3, 5] = 1e30  # one huge value: the rest of its block rounds to 0
+        y = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
+        prev = ops.set_linear_isa("scalar")
+        try:
+            assert not ops.linear_dynamic_vnni()
+            portable = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
+        finally:
+            ops.set_linear_isa(prev)
+        assert same_bits(y, portable)
+        assert same_bits(y, torch.cat([ops.quant_linear_dynamic(x[i:i + 1], q, s, mn, b, kind) for i in range(9)]))
+        keep = [0, 1, 2, 4, 5, 6, 7, 8]  # row 3's huge value would dwarf every tolerance
+        ref = reference.quant_linear_dynamic(x, q, s, mn, b, kind)[keep].float()
+        scale = ref.abs().max()
+        tol = 1e-5 if xdt == torch.float32 else 1e-2
+        assert (y[keep].float() - ref).abs().max() <= tol * scale
+        exact = ops.quant_linear(x, q, s, mn, b, kind)[keep].float()
+        assert (y[keep].float() - exact).abs().max() < 0.02 * scale
+
+
+def test_int8_activations_opcheck_and_errors():
+    q, s, mn, b = quant_args(6, 64, "q4_1", bias=True)
+    torch.library.opcheck(torch.ops.specrt.quant_linear_dynamic.default, (rand(3, 64), q, s, mn, b, "q4_1"))
+    qi, si, _, _ = quant_args(6, 40, "int8")
+    with pytest.raises(ValueError, match="int8 activations need a multiple of 32"):
+        ops.quant_linear_dynamic(rand(2, 40), qi, si, None, None, "int8")
+    with pytest.raises(ValueError, match="mins must be given"):
+        ops.quant_linear_dynamic(rand(2, 64), q, s, None, None, "q4_1")
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "int8"])
+def test_int8_activations_model_verify_equals_decode(tiny, kind):
+    """With int8 activations switched on a quantized model still gives verify rows equal to single
+    decodes bit for bit, and logits near the float-activation model's."""
+    from _model_utils import Runner
+    from specrt.models import load_model
+
+    model = load_model(tiny["qwen2"], quantize=kind)
+    base = Runner(model).prefill("b", list(range(3, 30)))
+    model.set_int8_activations(True)
+    r1, r2 = Runner(model), Runner(model)
+    a8 = r1.prefill("v", list(range(3, 30)))
+    assert not torch.equal(a8, base) and (a8 - base).abs().max() < 0.05 * base.abs().max()
+    drafts = [7, 19, 4, 100]
+    verify = r1.decode("v", drafts)
+    r2.prefill("s", list(range(3, 30)))
+    singles = [r2.decode("s", [t])[0] for t in drafts]
+    assert same_bits(verify, torch.stack(singles))

@@ -20,14 +20,13 @@ every run; bounded by FUZZ_EXAMPLES per op and a timeout.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 import traceback
-from pathlib import Path
 
 import pytest
+from _env import CHILD_CWD, child_env  # noqa: E402  (tests/ on sys.path)
 
 OPS = ("probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "copy_blocks", "write_kv",
        "uniform_noise", "log_det")
@@ -40,13 +39,12 @@ CHILD_TIMEOUT_S = 300        # all ops together; ~20-40 s when the machine is qu
 def fuzz_log(tmp_path_factory) -> dict:
     """Run every op's fuzz in one child process; {op: {"status", "detail"}} from its log."""
     log = tmp_path_factory.mktemp("fuzz") / "log.jsonl"
-    tests_dir = str(Path(__file__).resolve().parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, *sys.path]))
+    env = child_env()
     code = f"import test_ops_fuzz as f; f.child_main({str(log)!r}, {FUZZ_EXAMPLES})"
     crash = None
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                              timeout=CHILD_TIMEOUT_S)
+                              cwd=CHILD_CWD, timeout=CHILD_TIMEOUT_S)
         if proc.returncode != 0:
             crash = f"child exited with {proc.returncode}: {proc.stderr[-2000:]}"
     except subprocess.TimeoutExpired:
@@ -436,7 +434,6 @@ class _Validate:
             assert all(_same_bits(x, y) for x, y in zip(after, caches))
 
     def write_kv(self):
-        import torch
         from specrt import reference
         assert self.result is None
         if self.checked:

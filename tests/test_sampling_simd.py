@@ -14,7 +14,6 @@ one of the 2^23 uniforms the sampler can draw.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import zlib
@@ -23,10 +22,10 @@ import pytest
 import torch
 
 from specrt import ops, reference
+from _env import CHILD_CWD, child_env  # noqa: E402  (tests/ on sys.path)
 
 ISAS = ("scalar", "avx2", "avx512")
 VOCABS = (1, 2, 3, 4, 5, 15, 16, 17, 33, 63, 64, 65, 129, 1000, 8191, 8193, 16411)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _supported() -> list[str]:
@@ -138,7 +137,7 @@ def test_isa_environment_variable(env, expect):
             "try:\n    print(torch.ops.specrt.cpu_isa())\n"
             "except ValueError as e:\n    print(e)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "SPECRT_CPU_ISA": env, "PYTHONPATH": ROOT})
+                         env=child_env(SPECRT_CPU_ISA=env), cwd=CHILD_CWD)
     assert res.returncode == 0, res.stderr
     assert expect in res.stdout.strip().splitlines()[-1]
 

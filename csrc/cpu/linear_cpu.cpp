@@ -5,6 +5,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "cpu/linear_dynamic.h"
+
 #include <atomic>
 
 namespace specrt {
@@ -99,6 +101,57 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     fn(p, b0 * kBlock, std::min(N, b1 * kBlock));
   });
+  return y;
+}
+
+bool linear_dynamic_vnni() {
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return best_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
+  }();
+  return vnni && g_isa_cap.load(std::memory_order_relaxed) >= kAvx512;
+}
+
+at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
+                                    const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind) {
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = weight.size(0), G = K / linear::kGroup;
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);  // exact widening
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0 || N == 0) return y;
+  linear::DynProblem p;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.pairs = (G + 1) / 2;
+  // quantized activations in one buffer: xq [M][pairs*64] int8, dx16 / sx8 [M][pairs*16], e [M][G]
+  const int64_t lanes = M * p.pairs * 16;
+  const at::Tensor buf = at::empty({M * p.pairs * 16 + 2 * lanes + M * G}, x.options());  // 4-byte words
+  p.xq = reinterpret_cast<const int8_t*>(buf.data_ptr<float>());
+  p.dx16 = buf.data_ptr<float>() + M * p.pairs * 16;
+  p.sx8 = reinterpret_cast<const int32_t*>(p.dx16 + lanes);
+  p.e = p.dx16 + 2 * lanes;
+  p.w = weight.data_ptr();
+  p.kind = kind;
+  p.scales = scales.data_ptr();
+  p.mins = mins.defined() ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+  p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_bf16 = y.scalar_type() == at::kBFloat16;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const bool vnni = linear_dynamic_vnni();
+  const auto quant = vnni ? &linear::quantize_activations_avx512 : &linear::quantize_activations;
+  const int64_t qgrain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, K));
+  if (M <= qgrain) {
+    quant(xp, ldx, p, 0, M);
+  } else {
+    at::parallel_for(0, M, qgrain, [&](int64_t m0, int64_t m1) { quant(xp, ldx, p, m0, m1); });
+  }
+  const auto fn = vnni ? &linear::dynamic_rows_avx512vnni : &linear::dynamic_rows_scalar;
+  constexpr int64_t kBlock = 4;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(p, b0 * kBlock, std::min(N, b1 * kBlock)); });
   return y;
 }
 

@@ -19,6 +19,14 @@ namespace specrt {
 at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                             const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind);
 
+// The int8-activation mode (linear_dynamic.h): quantized weights (not kF32 / kBF16, K % 32 == 0)
+// times x quantized per row and block of 32; AVX-512-VNNI when the CPU has it (and the ISA cap
+// allows avx512), else the portable path (the same bits).
+at::Tensor small_linear_dynamic_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                                    const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind);
+// Whether small_linear_dynamic_cpu runs on AVX-512-VNNI now.
+bool linear_dynamic_vnni();
+
 // ISAs this CPU can run, best first ("avx512bf16", "avx512", "avx2", "scalar").
 std::vector<std::string> linear_isa_names();
 // Cap the ISA the kernel uses (testing: all ISAs give identical bits); "" = best.

@@ -378,13 +378,21 @@ class ModelDrafter(Drafter):
 
 
 def module_bytes(*modules) -> int:
-    """Bytes of the modules' parameters and buffers (each storage once: tied or fused weights count once)."""
-    seen, total = set(), 0
-    for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in modules):
-        key = (t.untyped_storage().data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
+    """Bytes of the modules' parameters and buffers: the union of the memory ranges they view, so
+    tied or fused weights count once, and a weight arena (one storage holding every projection,
+    rounded up to huge pages) counts only the bytes its tensors use."""
+    spans = sorted({(t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                    for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers())
+                                                           for m in modules) if t.numel()},
+                   key=lambda s: (str(s[0]), s[1]))
+    total, end, dev = 0, None, None
+    for d, lo, hi in spans:
+        if d != dev or end is None or lo >= end:
+            total += hi - lo
+            dev, end = d, hi
+        elif hi > end:
+            total += hi - end
+            end = hi
     return total
 
 

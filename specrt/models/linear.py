@@ -43,6 +43,7 @@ _GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # fp16 d [, fp16 m], q
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _LINEAR = torch.ops.specrt.linear.default
 _QUANT_LINEAR = torch.ops.specrt.quant_linear.default
+_QUANT_LINEAR_DYNAMIC = torch.ops.specrt.quant_linear_dynamic.default
 
 
 _HUGEPAGES = os.environ.get("SPECRT_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
@@ -63,13 +64,95 @@ def hugepage_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def pack_weights(tensors: list[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Contiguous copies of CPU ``tensors`` laid out back to back, in the given order, in ONE buffer
+    (2 MB aligned, transparent huge pages unless ``SPECRT_HUGEPAGES=0``; each tensor ``align``-byte
+    aligned). A forward that reads its weights in this order then streams one sequential region:
+    each projection's software prefetch runs on into the next one's first lines, and small matrices
+    (< 2 MB) get huge pages too — separately allocated they stream at ~2/3 of the speed (bench/README.md)."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // align) * align
+    huge = 2 << 20
+    buf = mmap.mmap(-1, total + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _HUGEPAGES:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # the views keep the mapping alive
+    base = (-raw.data_ptr()) % huge
+    out = []
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        v = raw[base + off: base + off + n].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        out.append(v)
+    return out
+
+
+def _weight_tensors(fn) -> list[tuple[object, str]]:
+    """(holder, attribute) of the streamed tensors of a prepared projection (FloatLinear or a QuantLinear's
+    forward), in the order its kernel reads them; [] for anything else (e.g. tensor-parallel modules)."""
+    if isinstance(fn, FloatLinear):
+        return [(fn, "weight")] if fn.kernel else []
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, QuantLinear) and owner.weight.device.type == "cpu":
+        names = ("weight_scale", "weight_min", "weight") if owner.weight_min is not None else ("weight_scale", "weight")
+        return [(owner, n) for n in names]
+    return []
+
+
+def pack_projections(projections: list, model: nn.Module) -> bool:
+    """Move the weights of prepared ``projections`` (in the order a forward calls them) into one
+    :func:`pack_weights` arena, unless they already lie there in that order; every parameter and
+    buffer of ``model`` that views a moved tensor (fused q/k/v parts, a tied embedding) is rebound
+    to the new storage, so no stale copy stays alive. Returns whether anything moved."""
+    slots = [hs for fn in projections for hs in _weight_tensors(fn)]
+    olds = [getattr(h, a) for h, a in slots]
+    if not olds or not all(t.is_contiguous() for t in olds):
+        return False
+    ptrs = [t.data_ptr() for t in olds]
+    if all(b >= a + t.numel() * t.element_size() and b - a - t.numel() * t.element_size() < 64
+           for a, b, t in zip(ptrs, ptrs[1:], olds)):
+        return False  # already packed in this order
+    news = pack_weights(olds)
+    moved = {}  # storage pointer -> [(old, new)]
+    for (h, a), old, new in zip(slots, olds, news):
+        moved.setdefault(old.untyped_storage().data_ptr(), []).append((old, new))
+        if isinstance(h, nn.Module):
+            h._buffers[a] = new
+        else:
+            setattr(h, a, new)
+
+    def remap(t: torch.Tensor) -> torch.Tensor | None:
+        for old, new in moved.get(t.untyped_storage().data_ptr(), ()):
+            off = t.storage_offset() - old.storage_offset()
+            span = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+            if t.dtype == old.dtype and 0 <= off and off + span <= old.numel():
+                return new.as_strided(t.shape, t.stride(), new.storage_offset() + off)
+        return None
+
+    for p in model.parameters():
+        r = remap(p.data)
+        if r is not None:
+            p.data = r
+    for mod in model.modules():
+        for name, b in mod._buffers.items():
+            r = None if b is None else remap(b)
+            if r is not None:
+                mod._buffers[name] = r
+    return True
+
+
 @dataclass
 class KernelPolicy:
     """Shared by a model's prepared projections.
 
     max_rows: x rows up to which float projections use the small-M kernel (0: torch's
-    F.linear everywhere, and quantized layers take torch's path too — for comparisons)."""
+    F.linear everywhere, and quantized layers take torch's path too — for comparisons).
+    int8_activations: quantized layers quantize x to int8 on the fly (``ops.quant_linear_dynamic``;
+    opt-in, changes the numerics; CPU, K % 32 == 0, else the float path)."""
     max_rows: int = SMALL_M
+    int8_activations: bool = False
 
 
 # ----------------------------------------------------------------------------- formats
@@ -163,14 +246,21 @@ class QuantLinear(nn.Module):
     def from_parts(cls, kind: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> "QuantLinear":
         """Wrap tensors already in ``kind``'s layout (ops.quant_linear's Shape); validated by one call."""
+        return cls._assemble(kind, hugepage_copy(qweight.contiguous()), hugepage_copy(scales.contiguous()),
+                             None if mins is None else hugepage_copy(mins.contiguous()), bias)
+
+    @classmethod
+    def _assemble(cls, kind: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                  bias: torch.Tensor | None) -> "QuantLinear":
+        """from_parts without copying the (contiguous) quantized tensors."""
         _check_kind(kind)
         k = qweight.shape[1] * (2 if kind in ("q4_0", "q4_1") else 1)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
         m.in_features, m.out_features, m.kind, m.policy = k, qweight.shape[0], kind, None
-        m.register_buffer("weight", hugepage_copy(qweight.contiguous()))
-        m.register_buffer("weight_scale", hugepage_copy(scales.contiguous()))
-        m.register_buffer("weight_min", None if mins is None else hugepage_copy(mins.contiguous()))
+        m.register_buffer("weight", qweight)
+        m.register_buffer("weight_scale", scales)
+        m.register_buffer("weight_min", mins)
         m.bias = None if bias is None else nn.Parameter(bias.detach().float().contiguous(), requires_grad=False)
         if qweight.device.type == "cpu":  # shapes / dtypes checked by the kernel itself
             ops.quant_linear(torch.zeros(1, k), m.weight, m.weight_scale, m.weight_min, m.bias, kind)
@@ -276,7 +366,9 @@ def _quant_call(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         xk = x2 if x2.dtype in _KERNEL_DTYPES else x2.float()
-        y = _QUANT_LINEAR(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind).to(x.dtype)
+        op = _QUANT_LINEAR_DYNAMIC if m.policy is not None and m.policy.int8_activations \
+            and m.in_features % GROUP == 0 else _QUANT_LINEAR
+        y = op(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind).to(x.dtype)
     elif m.kind == "int8" and x2.dtype in _KERNEL_DTYPES:  # torch's weight-only int8 (gpt-fast's path)
         y = torch._weight_int8pack_mm(x2.contiguous(), m.weight, m.weight_scale.to(x2.dtype))
         if m.bias is not None:
@@ -324,9 +416,6 @@ def prepare_linear(m: nn.Module, policy: KernelPolicy):
     """The callable a prepared model uses for projection ``m``: FloatLinear for a plain nn.Linear,
     the QuantLinear's forward (sharing ``policy``), else the module itself (e.g. tensor-parallel)."""
     if type(m) is nn.Linear:
-        if getattr(m, "_hugepage_ptr", None) != m.weight.data_ptr():
-            m.weight.data = hugepage_copy(m.weight.data)  # in place: a tied embedding follows
-            m._hugepage_ptr = m.weight.data_ptr()
         return FloatLinear(m.weight, m.bias, policy)
     if isinstance(m, QuantLinear):
         m.policy = policy
@@ -340,8 +429,12 @@ def fuse_linears(*mods: nn.Module, policy: KernelPolicy):
     state_dict names unchanged, in-place loads still land in the fused tensor. None when the
     modules cannot be fused (mixed types or formats, or not plain nn.Linear / QuantLinear)."""
     if all(type(m) is nn.Linear for m in mods) and len({m.weight.dtype for m in mods}) == 1:
-        w = hugepage_copy(torch.cat([m.weight.detach() for m in mods]))
+        w = _adjacent(m.weight for m in mods)
+        if w is None:
+            w = torch.cat([m.weight.detach() for m in mods])
         b = None
+        if w.data_ptr() == mods[0].weight.data_ptr() and all(m.bias is None for m in mods):
+            return FloatLinear(w, None, policy)  # fused before (prepare() again): nothing to rebind
         if any(m.bias is not None for m in mods):
             b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
                            for m in mods])
@@ -354,12 +447,17 @@ def fuse_linears(*mods: nn.Module, policy: KernelPolicy):
             start += n
         return FloatLinear(w, b, policy)
     if all(type(m) is QuantLinear for m in mods) and len({(m.kind, m.in_features) for m in mods}) == 1:
-        fused = QuantLinear.from_parts(
-            mods[0].kind, torch.cat([m.weight for m in mods]), torch.cat([m.weight_scale for m in mods]),
-            None if mods[0].weight_min is None else torch.cat([m.weight_min for m in mods]),
-            None if all(m.bias is None for m in mods) else torch.cat(
-                [m.bias.detach() if m.bias is not None else m.weight_scale.new_zeros(m.out_features, dtype=torch.float)
-                 for m in mods]))
+        bias = None if all(m.bias is None for m in mods) else torch.cat(
+            [m.bias.detach() if m.bias is not None else m.weight_scale.new_zeros(m.out_features, dtype=torch.float)
+             for m in mods])
+        names = ("weight", "weight_scale") + (("weight_min",) if mods[0].weight_min is not None else ())
+        shared = [_adjacent(getattr(m, a) for m in mods) for a in names]
+        if all(t is not None for t in shared):  # fused before (prepare() again): the same memory
+            fused = QuantLinear._assemble(mods[0].kind, shared[0], shared[1], shared[2] if len(shared) > 2 else None,
+                                          bias)
+        else:
+            fused = QuantLinear.from_parts(mods[0].kind, *[torch.cat([getattr(m, a) for m in mods]) for a in names[:2]],
+                                           torch.cat([m.weight_min for m in mods]) if len(names) > 2 else None, bias)
         start = 0
         for m in mods:
             n = m.out_features
@@ -372,3 +470,17 @@ def fuse_linears(*mods: nn.Module, policy: KernelPolicy):
             start += n
         return prepare_linear(fused, policy)
     return None
+
+
+def _adjacent(tensors) -> torch.Tensor | None:
+    """One view over contiguous tensors (equal trailing dims) that already follow each other in one storage (a fused
+    projection's parts after an earlier fuse), else None."""
+    ts = [t.detach() for t in tensors]
+    if not all(t.is_contiguous() and t.dim() >= 1 and t.shape[1:] == ts[0].shape[1:] for t in ts):
+        return None
+    st = ts[0].untyped_storage().data_ptr()
+    for a, b in zip(ts, ts[1:]):
+        if b.untyped_storage().data_ptr() != st or b.storage_offset() != a.storage_offset() + a.numel():
+            return None
+    shape = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
+    return ts[0].as_strided(shape, torch.empty(shape, device="meta").stride())

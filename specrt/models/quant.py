@@ -87,7 +87,7 @@ def quantize_model_(model, kind: str, embeddings: bool = True):
     if embeddings and isinstance(emb, nn.Embedding):
         source = model.lm_head if tied else QuantLinear.from_float(emb.weight, kind)
         model.model.embed_tokens = QuantEmbedding(source, emb.weight.dtype, owned=not tied)
-    model._invalidate_fast_path()
+    model.invalidate_prepared()
     return model
 
 

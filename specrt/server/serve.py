@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--target-quantize", default=None, choices=QUANT_CHOICES,
+                   help="load the target with weight-only quantized layers that stay quantized")
+    p.add_argument("--draft-quantize", default=None, choices=QUANT_CHOICES,
+                   help="load the draft model with weight-only quantized layers (~1/4 (int8) to ~1/7 (q4) of fp32)")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (default: --dtype)")
     p.add_argument("--seed", type=int, default=None, help="seed for the seeds of unseeded requests")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
@@ -85,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+QUANT_CHOICES = ["int8", "q8_0", "q4_0", "q4_1"]  # specrt.models.linear.KINDS (not imported: no torch here)
 
 
 def engine_kwargs(args) -> dict:
@@ -116,7 +125,15 @@ def engine_kwargs(args) -> dict:
                          {"kv_cache_budget": parse_memory(args.kv_cache_memory, "--kv-cache-memory")}))
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    return dict(target=args.target_model, draft=draft, spec=spec, device=args.device, dtype=dtype, seed=args.seed)
+    kw = dict(target=args.target_model, draft=draft, spec=spec, device=args.device, dtype=dtype, seed=args.seed)
+    for name in ("target_quantize", "draft_quantize", "draft_dtype"):  # only when given (LLMEngine options)
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    if ("draft_quantize" in kw or "draft_dtype" in kw) and (draft is None or str(draft) == "none"
+                                                            or str(draft).startswith(("ngram", "self:"))):
+        raise ValueError("--draft-quantize / --draft-dtype need a draft model (--speculative-decoding with "
+                         "--draft-model FOLDER or builtin)")
+    return kw
 
 
 def _check_args(args) -> str | None:
@@ -141,13 +158,23 @@ def _build_app(args, api_key):
 
     kw = engine_kwargs(args)
     warmup_prompts = read_prompts_file(args.warmup_prompts) if args.warmup_prompts else None
-    engine = None
+    options = {k: kw.pop(k) for k in ("target_quantize", "draft_quantize", "draft_dtype") if k in kw}
+    engine = built = None
     try:
         if args.tensor_parallel_size > 1:   # the server spawns its own workers: no external launcher
             from specrt.distributed import create_engine
 
+            if options:
+                raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in options)} not supported with "
+                                 f"--tensor-parallel-size > 1")
             engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
-        app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
+        elif options:  # LLMEngine options create_app does not take: build the engine here
+            from specrt.engine import LLMEngine
+
+            built = LLMEngine(**kw, **options)
+        given = engine or built
+        app = create_app(given, **({"target": kw["target"]} if given is not None else kw),
+                         model_name=args.served_model_name,
                          api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                          max_prompt_chars=args.max_prompt_chars, drain_timeout_s=args.drain_timeout,
