@@ -1,109 +1,86 @@
-"""Admission by predicted acceptance vs first come first served (issue 16, item 6).
+"""The ``batching`` section: admission by predicted acceptance vs first come first served
+(issue 16, item 6).
 
 A mixed workload queued all at once, more requests than the batch holds: n-gram-friendly
-repetitive prompts (a block of code repeated, then its start again) interleaved with free
-text, tagged by kind. SpecConfig(admission="acceptance") admits the waiting requests whose
-predicted acceptance (their tag's recent average) is closest to the running batch's, so a
-step verifies requests that draft alike; "fifo" admits in arrival order. Both engines first
-serve the workload once untimed (so each tag's acceptance is known), then the two modes
-alternate; throughput is emitted tokens over wall time, medians over repeats.
+repetitive prompts (a block of code repeated, then its start again) interleaved with free text,
+tagged by kind. SpecConfig(admission="acceptance") admits the waiting requests whose predicted
+acceptance (their tag's recent average) is closest to the running batch's, so a step verifies
+requests that draft alike; "fifo" admits in arrival order. Per setup (drafter and policy) both
+engines first serve the workload twice untimed (so each tag's acceptance is known; the second
+pass counts the steps whose batch mixed both kinds), then the two alternate as whole batches: throughput
+(emitted tokens over wall time), the paired median ratio acceptance / FIFO with its interval,
+and (greedy) whether the outputs are identical.
 
-    python bench/batching.py                                 # built-in target, n-gram drafter
-    python bench/batching.py --draft builtin --policy budget
-    python bench/batching.py --target T --draft D
-
-Standalone (the coordinator hooks it into `specrt bench`); results in bench/README.md.
+    python -m bench --sections batching [--target T --draft D] [--set batching_batch_size=4]
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+from bench.runner import compare, strip_ids
+from bench.text import fmt, md_table, yes
+from bench.workloads import mixed_workload
 
-import torch
-
-
-def workload(tokenizer, n: int, prompt_tokens: int) -> tuple[list[list[int]], list[str]]:
-    """Interleaved repetitive / free-text prompts (token ids) and their tags."""
-    from specrt.benchmarks import build_prompts
-
-    cats = build_prompts(tokenizer, n, prompt_tokens)
-    rep = [p["token_ids"] for p in cats["repetition"]]
-    free = [p["token_ids"] for p in cats["free_text"]]
-    prompts, tags = [], []
-    for i in range(max(len(rep), len(free))):
-        for kind, items in (("repetitive", rep), ("free_text", free)):
-            if i < len(items):
-                prompts.append(items[i])
-                tags.append(kind)
-    return prompts, tags
+ADMISSIONS = ("fifo", "acceptance")
 
 
-def serve_all(llm, prompts, tags, params) -> tuple[float, int, int]:
-    """(seconds, emitted tokens, steps whose batch mixed both tags)."""
+def mixed_steps(llm, prompts: list[list[int]], tags: list[str], params) -> int:
+    """Serve the workload once (untimed); the number of steps whose running batch held both tags."""
     eng = llm.engine
-    t0 = time.perf_counter()
     eng.add_requests(prompts, [params] * len(prompts), tags)
-    emitted, mixed = 0, 0
+    mixed = 0
     while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                emitted += len(out.token_ids)
+        eng.step()
         mixed += len({r.tag for r in eng.scheduler.running}) > 1
-    return time.perf_counter() - t0, emitted, mixed
+    return mixed
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="builtin")
-    ap.add_argument("--draft", default="ngram", help="'ngram', 'builtin', a folder or 'self:N'")
-    ap.add_argument("--policy", default="fixed", choices=["fixed", "confidence", "budget"])
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=12, help="prompts per kind")
-    ap.add_argument("--batch", type=int, default=4, help="max_batch_size (fewer than the requests)")
-    ap.add_argument("--prompt-tokens", type=int, default=160)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--max-wait", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default=None)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    import specrt
-    from specrt import SamplingParams, SpecConfig
-
-    llms = {}
-    for admission in ("fifo", "acceptance"):
-        spec = SpecConfig(policy=args.policy, max_draft_length=args.k, max_batch_size=args.batch,
-                          admission=admission, admission_max_wait=args.max_wait)
-        llms[admission] = specrt.LLM(args.target, args.draft, spec=spec, device=args.device)
-    prompts, tags = workload(llms["fifo"].tokenizer, args.requests, args.prompt_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    outs = {}
-    for name, llm in llms.items():            # untimed: warms up and teaches each tag's acceptance
-        outs[name] = [o.token_ids for o in llm.generate(prompts, params, tags=tags)]
-    assert outs["fifo"] == outs["acceptance"], "admission order changed greedy tokens"
-    res = {name: {"s": [], "tok": 0, "mixed": []} for name in llms}
-    for _ in range(args.repeats):
-        for name, llm in llms.items():
-            s, tok, mixed = serve_all(llm, prompts, tags, params)
-            res[name]["s"].append(s)
-            res[name]["tok"] = tok
-            res[name]["mixed"].append(mixed)
-    print(f"{len(prompts)} requests ({tags.count('repetitive')} repetitive, {tags.count('free_text')} free text), "
-          f"batch {args.batch}, draft {args.draft}, policy {args.policy}, K={args.k}, {args.max_tokens} tokens each, "
-          f"{args.repeats} alternating repeats")
-    base = None
-    for name, r in res.items():
-        tps = r["tok"] / statistics.median(r["s"])
-        base = base or tps
-        spread = (max(r["s"]) - min(r["s"])) / statistics.median(r["s"])
-        ratios = "" if name == "fifo" else \
-            f"  per-repeat ratio {' '.join(f'{f / a:.2f}' for f, a in zip(res['fifo']['s'], r['s']))}"
-        print(f"{name:<11} {tps:8.1f} tok/s  x{tps / base:.3f}  mixed-tag steps {statistics.median(r['mixed']):.0f}  "
-              f"spread {100 * spread:.0f}%{ratios}")
-    return 0
+def _setups(ctx) -> dict:
+    """name -> (draft argument, policy): the n-gram drafter, whose acceptance differs most
+    between the two kinds, fixed and under the budget policy; the run's main drafter, budget."""
+    out = {"ngram/fixed": ("ngram", "fixed"), "ngram/budget": ("ngram", "budget")}
+    if ctx.main_drafter != "ngram":
+        out[f"{ctx.main_drafter}/budget"] = (ctx.drafters[ctx.main_drafter], "budget")
+    return out
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def section_batching(ctx) -> dict:
+    s = ctx.s
+    prompts, tags = mixed_workload(ctx.tokenizer, s.batching_requests_per_kind, s.max_prompt_tokens)
+    params = ctx.params()
+    out = {}
+    for name, (draft, policy) in _setups(ctx).items():
+        modes = {a: (ctx.llm(draft, policy=policy, max_draft_length=s.draft_length,
+                             max_batch_size=s.batching_batch_size, admission=a), params) for a in ADMISSIONS}
+        # two untimed passes: the first teaches each tag's acceptance, the second counts mixed steps
+        mixed = {a: [mixed_steps(llm, prompts, tags, params) for _ in range(2)][-1] for a, (llm, _) in modes.items()}
+        res = compare(modes, prompts, max(s.repeats, s.batch_repeats), batched=True, baseline="fifo", tags=tags)
+        out[name] = {"modes": strip_ids(res), "mixed_tag_steps": mixed,
+                     "throughput_ratio": res["acceptance"]["speedup"],
+                     "throughput_ratio_interval": res["acceptance"]["speedup_interval"],
+                     "identical": res["acceptance"]["identical_to_ar"]}
+    return {"requests": len(prompts), "repetitive": tags.count("repetitive"), "free_text": tags.count("free_text"),
+            "batch_size": s.batching_batch_size, "draft_length": s.draft_length, "max_tokens": s.max_tokens,
+            "setups": out}
+
+
+def report_md(sec: dict) -> list[str]:
+    """The report's part: a row per setup and admission."""
+    rows = [[name, a, fmt(r["modes"][a]["tokens_per_s"], 1), fmt(r["modes"][a]["tau"]),
+             str(r["mixed_tag_steps"][a]),
+             "1.00x" if a == "fifo" else f"{fmt(r['throughput_ratio'])}x ({fmt(r['throughput_ratio_interval'][0])}-"
+                                         f"{fmt(r['throughput_ratio_interval'][1])})",
+             "-" if a == "fifo" else yes(r["identical"])]
+            for name, r in sec["setups"].items() for a in ADMISSIONS]
+    return ([f"## Admission by acceptance vs FIFO (mixed workload, batch {sec['batch_size']})", "",
+             f"{sec['requests']} requests queued at once ({sec['repetitive']} repetitive, {sec['free_text']} free "
+             f"text, interleaved), {sec['max_tokens']} new tokens each, greedy, K={sec['draft_length']}, at most "
+             f"{sec['batch_size']} running. Mixed steps: steps whose batch held both kinds (an untimed pass "
+             "after one that taught each tag's acceptance). vs FIFO: the paired median over repeats of FIFO "
+             "time / acceptance time, with its interval.", ""]
+            + md_table(["drafter/policy", "admission", "tokens/s", "tau", "mixed steps", "vs FIFO",
+                        "same output"], rows) + [""])
+
+
+def headline_rows(sec: dict) -> list[str]:
+    return ["| admission by acceptance vs FIFO, mixed workload (throughput) | " + ", ".join(
+        f"{name}: {fmt(r['throughput_ratio'])}x" for name, r in sec["setups"].items()) + " |"]
+

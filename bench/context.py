@@ -13,7 +13,7 @@ from bench.workloads import CATEGORIES, Settings, build_prompts
 
 class BenchContext:
     def __init__(self, target: str, draft: str, device, settings: Settings, log=print, note: str = ""):
-        from specrt.models import ModelConfig, load_tokenizer
+        from specrt.models import load_config, load_tokenizer
 
         self.target, self.draft, self.device, self.s, self.log = target, draft, device, settings, log
         self.note = note
@@ -21,7 +21,7 @@ class BenchContext:
         self.weights: dict = {}      # loaded models shared by every engine of this run
         self.tokenizer = load_tokenizer(model_dir(target, "target"))
         self.prompts = build_prompts(self.tokenizer, settings.prompts_per_category, settings.max_prompt_tokens)
-        self.target_config = ModelConfig.from_json(model_dir(target, "target"))
+        self.target_config = load_config(model_dir(target, "target"))   # a folder or a GGUF file
         self.self_layers = max(1, self.target_config.num_layers // 3)
         self.has_draft_model = is_model_draft(draft)
         self.drafters = {}           # display name -> draft= argument; n-gram and self:N always run
@@ -57,19 +57,21 @@ class BenchContext:
 
     def _kv_bytes(self, draft, max_batch_size: int, max_model_len: int) -> int:
         from specrt.kv_cache import kv_bytes_per_block
-        from specrt.models import ModelConfig
+        from specrt.models import load_config
 
         configs = [self.target_config]
         if is_model_draft(draft):
-            configs.append(ModelConfig.from_json(model_dir(draft, "draft")))
+            configs.append(load_config(model_dir(draft, "draft")))
         blocks = max_batch_size * (max_model_len // 16 + 2) + 64
         return int(blocks * kv_bytes_per_block(configs, 16, torch.bfloat16) * 2)
 
-    def params(self, temperature=0.0, max_tokens=None, seed=1234):
+    def params(self, temperature=0.0, max_tokens=None, seed=1234, **controls):
+        """Sampling parameters of the benchmark's requests (fixed length and seed); ``controls``:
+        further SamplingParams fields (penalties, min_p, logit_bias)."""
         import specrt
 
         return specrt.SamplingParams(temperature=temperature, max_tokens=max_tokens or self.s.max_tokens,
-                                     ignore_eos=True, seed=seed)
+                                     ignore_eos=True, seed=seed, **controls)
 
     def pool(self) -> list[list[int]]:
         """Every prompt's token ids, category after category."""

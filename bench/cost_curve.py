@@ -13,8 +13,9 @@ from bench.costs import forward_timer, scratch_cache, theoretical_speedup, timed
 from bench.machine import machine_info
 from bench.models import param_count, random_model
 from bench.plots import plot_cost_curve
-from bench.report import fmt, jsonable
+from bench.report import jsonable
 from bench.runner import now
+from bench.text import fmt
 
 
 def measure_overlap(target, draft, ctx: int, B: int, K: int, reps: int, caches, t_verify: float,

@@ -51,10 +51,12 @@ def scratch_cache(model, ctx: int, tokens: int, batch: int = 1, block_size: int 
 
 
 def forward_timer(model, ctx: int, tokens: int, batch: int = 1, num_layers: int | None = None,
-                  block_size: int = 16, all_logits: bool = True, cache: torch.Tensor | None = None):
+                  block_size: int = 16, all_logits: bool = True, cache: torch.Tensor | None = None,
+                  window=None):
     """A closure running one forward of `tokens` new tokens per request after `ctx` cached
     positions, for `batch` requests, over a private scratch KV cache (values do not matter),
-    followed by the sampling transform of its logits."""
+    followed by the sampling transform of its logits. ``window``: a specrt.attention.KVWindow the
+    new tokens attend through (a draft's long-context view), as the engine builds it."""
     from specrt import ops
     from specrt.attention import AttentionMetadata
 
@@ -67,7 +69,7 @@ def forward_timer(model, ctx: int, tokens: int, batch: int = 1, num_layers: int 
     if cache.shape[2] < nb * batch:
         raise ValueError(f"scratch cache has {cache.shape[2]} blocks, need {nb * batch}")
     tables = [list(range(b * nb, (b + 1) * nb)) for b in range(batch)]
-    meta = AttentionMetadata.build([seq] * batch, [tokens] * batch, tables, block_size, dev)
+    meta = AttentionMetadata.build([seq] * batch, [tokens] * batch, tables, block_size, dev, window=window)
     ids = torch.randint(3, cfg.vocab_size, (tokens * batch,), device=dev)
     pos = torch.arange(ctx, seq, device=dev).repeat(batch)
     rows = torch.arange(tokens * batch, device=dev) if all_logits else \
@@ -142,21 +144,24 @@ def v_at(costs: dict, k: float) -> float:
     return v_lo + f * (vs[hi] - vs[lo])
 
 
-def expected_accepted(fixed: dict) -> tuple[float, dict, list[float]]:
+def expected_accepted(fixed: dict) -> tuple[float, dict]:
     """E[accepted drafts per step] = sum_{i=1..K} r^i against the measurement, per fixed K.
 
     The engine's acceptance_rate_per_position[i] is accepted-at-i / drafted-at-i; with a fixed K
-    every position is drafted every step, so it is P(the first i+1 drafts are all accepted) (a
-    survival curve), and the mean accepted length is its sum. Hence:
+    every position is drafted every step (but where a request's last tokens or the drafter cut
+    the draft short), so it is P(the first i+1 drafts are all accepted) (a survival curve), and
+    the mean accepted length is its sum. Hence:
     r = the rate at position 0 of the smallest K (P(first draft accepted));
     formula_iid = sum_{i=1..K} r^i (every position accepted independently with probability r);
     formula_per_position = sum of the first K survival rates measured at the largest K (exact if
-    the first K drafts do not depend on K, e.g. greedy drafting); conditional_i = s_i / s_{i-1}."""
+    the first K drafts do not depend on K, e.g. greedy drafting).
+    The conditional rate P(i accepted | 0..i-1 accepted) is NOT s_i / s_{i-1}: the two rates are
+    taken over different sets of steps (cut-short drafts), so their ratio can exceed 1; the
+    engine counts it directly (``conditional_acceptance_per_position``, see specrt.metrics)."""
     ks = sorted(int(k) for k in fixed)
     r = (fixed[ks[0]]["acceptance_rate_per_position"] or [0.0])[0]
     surv = fixed[ks[-1]]["acceptance_rate_per_position"]
-    conditional = [surv[i] / surv[i - 1] if i and surv[i - 1] > 0 else surv[i] for i in range(len(surv))]
     expected = {k: {"measured": fixed[k]["mean_accepted_length"],
                     "formula_iid": sum(r ** i for i in range(1, k + 1)),
                     "formula_per_position": sum(surv[:k])} for k in ks}
-    return r, expected, conditional
+    return r, expected

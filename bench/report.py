@@ -8,26 +8,15 @@ import json
 import math
 from pathlib import Path
 
+from bench import batching, long_context, penalties, speedup_estimate
 from bench.machine import machine_info, machine_tag
 from bench.plots import write_plots
+from bench.text import fmt, md_table, yes
 from bench.workloads import CATEGORIES
 
-
-def fmt(x, nd=2) -> str:
-    """A number with nd decimals, "n/a" for NaN / missing."""
-    if isinstance(x, (int, float)) and not (isinstance(x, float) and math.isnan(x)):
-        return f"{x:.{nd}f}"
-    return "n/a"
-
-
-def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """A markdown table: header, separator, one line per row."""
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _yes(ok, no: str = "NO") -> str:
-    return "yes" if ok else no
+# the sections whose module renders its own part: name -> module (report_md, headline_rows)
+RENDERED_BY_SECTION = {"penalties": penalties, "batching": batching, "long_context": long_context,
+                       "speedup_estimate": speedup_estimate}
 
 
 def headline_table(res: dict) -> str:
@@ -71,7 +60,12 @@ def headline_table(res: dict) -> str:
         L.append(f"| vs transformers assisted generation (tokens/s ratio) | {fmt(pr['ratio_spec_vs_hf_assisted'])}x; "
                  f"identical outputs {i['identical_sequences']}/{i['of']} |")
         L.append(f"| specrt AR vs transformers greedy | {fmt(pr['ratio_ar_vs_hf_greedy'])}x |")
-    return "\n".join(L)
+    return "\n".join(L + _section_headlines(res))
+
+
+def _section_headlines(res: dict) -> list[str]:
+    """Headline rows of the sections that render their own part."""
+    return [row for key, mod in RENDERED_BY_SECTION.items() if res.get(key) for row in mod.headline_rows(res[key])]
 
 
 def _costs_md(c: dict) -> list[str]:
@@ -92,7 +86,7 @@ def _categories_md(cats: dict) -> list[str]:
     rows = [[cat, d, fmt(v["tokens_per_s"], 1), fmt(v["speedup"]), fmt(v["tau"]), fmt(v["mean_accepted_length"]),
              " ".join(fmt(a) for a in v["acceptance_rate_per_position"]), fmt(v.get("theoretical_speedup")),
              fmt(v.get("fraction_of_theoretical")), fmt(v.get("engine_c")), fmt(v.get("engine_v")),
-             _yes(v["identical_to_ar"])]
+             yes(v["identical_to_ar"])]
             for cat in CATEGORIES for d, v in cats[cat].items()]
     return (["## Speedup per prompt category", "",
              "theory = tau / (1 + c*K + v) with c, v measured above and K the mean draft length; "
@@ -108,7 +102,7 @@ def _k_sweep_md(ks: dict) -> list[str]:
     L = [f"## Fixed K vs dynamic policies ({ks['drafter']} drafter)", ""]
     L += md_table(["mode", "tokens/s", "speedup", "mean K", "tau", "= AR"],
                   [[name, fmt(v["tokens_per_s"], 1), fmt(v["speedup"]), fmt(v["drafted_tokens_per_step"]),
-                    fmt(v["tau"]), _yes(v.get("identical_to_ar"))] for name, v in ks["modes"].items()])
+                    fmt(v["tau"]), yes(v.get("identical_to_ar"))] for name, v in ks["modes"].items()])
     L += ["", f"Best fixed K = {ks['best_fixed_k']} ({fmt(ks['best_fixed_speedup'])}x). Gain of each dynamic "
               f"policy over it (published state of the art for learned adaptive length: +7 to +11%):", ""]
     L += [f"- {p}: {fmt(v['speedup'])}x, {v['gain_over_best_fixed'] * 100:+.1f}% (mean K {fmt(v['mean_draft_length'])})"
@@ -118,7 +112,8 @@ def _k_sweep_md(ks: dict) -> list[str]:
     L += ["", f"Expected accepted drafts per step: E = sum_(i=1..K) r^i with r = {fmt(ks['r'])} (first-position "
               "acceptance at the smallest K), and the sum of the first K survival rates measured at the largest "
               "K (the engine's per-position acceptance with a fixed K is P(drafts 0..i all accepted)). Conditional "
-              "acceptance per position at the largest K, P(i accepted | 0..i-1 accepted): "
+              "acceptance per position at the largest K, P(i accepted | 0..i-1 accepted), as the engine counts "
+              "it (accepted at i / steps that drafted i and accepted every draft before it): "
               + " ".join(fmt(c) for c in cond) + ".", ""]
     L += md_table(["K", "measured", "sum r^i", "sum of measured survival rates"],
                   [[str(k), fmt(v["measured"]), fmt(v["formula_iid"]), fmt(v["formula_per_position"])]
@@ -129,7 +124,7 @@ def _k_sweep_md(ks: dict) -> list[str]:
 def _temperature_md(tp: dict) -> list[str]:
     """Temperature: rejection sampling and coupled acceptance."""
     rows = [[t, acc, fmt(r["ar"]["tokens_per_s"], 1), fmt(r[acc]["speedup"]), fmt(r[acc]["tau"]),
-             " ".join(fmt(a) for a in r[acc]["acceptance_rate_per_position"]), _yes(r[acc]["identical_to_ar"], "no")]
+             " ".join(fmt(a) for a in r[acc]["acceptance_rate_per_position"]), yes(r[acc]["identical_to_ar"], "no")]
             for t, r in tp["by_temperature"].items() for acc in ("rejection", "coupled")]
     return ([f"## Temperature ({tp['drafter']} drafter, K={tp['draft_length']})", ""]
             + md_table(["T", "acceptance", "tokens/s AR", "speedup", "tau", "acc. per position", "= AR"], rows)
@@ -250,7 +245,7 @@ def write_report(res: dict, out: Path, plots: list[str]) -> str:
     L = _header_md(res)
     parts = (("costs", _costs_md), ("categories", _categories_md), ("k_sweep", _k_sweep_md),
              ("temperature", _temperature_md), ("batch", _batch_md), ("misaligned", _misaligned_md),
-             ("peer", _peer_md))
+             ("peer", _peer_md), *((k, mod.report_md) for k, mod in RENDERED_BY_SECTION.items()))
     for key, render in parts:
         if res.get(key):
             L += render(res[key])
@@ -282,6 +277,7 @@ def headline(res: dict) -> str:
         L.append(f"vs transformers: spec/assisted {fmt(p['ratio_spec_vs_hf_assisted'])}x, AR/greedy "
                  f"{fmt(p['ratio_ar_vs_hf_greedy'])}x, identical spec vs assisted "
                  f"{p['identity']['spec_vs_hf_assisted']['identical_sequences']}/{p['identity']['spec_vs_hf_assisted']['of']}")
+    L += [row.strip("| ").replace(" | ", ": ", 1) for row in _section_headlines(res)]
     return f"[{main} drafter]\n" + "\n".join(L)
 
 

@@ -92,19 +92,20 @@ def shared_loader(store: dict):
 
 # ------------------------------------------------------------------------------- timing
 
-def generate_concurrent(llm, prompts: list[list[int]], params, concurrency: int):
+def generate_concurrent(llm, prompts: list[list[int]], params, concurrency: int, tags: list[str] | None = None):
     """Serve ``prompts`` with at most ``concurrency`` requests in flight: the first
     ``concurrency`` start together, and each one that finishes is replaced by the next prompt at
     once (continuous batching, as a server under steady load sees it). Outputs in prompt order."""
     eng = llm.engine
     params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    tags = tags or ["default"] * len(prompts)
     ids: list[str] = []
     live: set[str] = set()
     done: dict = {}
     while len(done) < len(prompts):
         while len(live) < concurrency and len(ids) < len(prompts):
             i = len(ids)
-            ids.append(eng.add_request(prompts[i], params[i]))
+            ids.append(eng.add_request(prompts[i], params[i], tag=tags[i]))
             live.add(ids[-1])
         for out in eng.step():
             if out.finished and out.request_id in live:
@@ -114,17 +115,19 @@ def generate_concurrent(llm, prompts: list[list[int]], params, concurrency: int)
 
 
 def generate_timed(llm, prompts: list[list[int]], params, batched: bool,
-                   concurrency: int | None = None) -> tuple[float, list[list[int]]]:
+                   concurrency: int | None = None, tags: list[str] | None = None) -> tuple[float, list[list[int]]]:
     """(seconds, token ids per prompt): batch 1 one prompt at a time, a whole batch, or
-    continuous batching at a given concurrency."""
+    continuous batching at a given concurrency. ``tags``: one request tag per prompt."""
     sync(llm.engine.device)
     t0 = now()
     if concurrency:
-        outs = generate_concurrent(llm, prompts, params, concurrency)
+        outs = generate_concurrent(llm, prompts, params, concurrency, tags)
+    elif tags is None:          # (a transformers mode takes no tags)
+        outs = llm.generate(prompts, params) if batched else [llm.generate([p], params)[0] for p in prompts]
     elif batched:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, tags=tags)
     else:
-        outs = [llm.generate([p], params)[0] for p in prompts]
+        outs = [llm.generate([p], params, tags=[t])[0] for p, t in zip(prompts, tags)]
     sync(llm.engine.device)
     return now() - t0, [o.token_ids for o in outs]
 
@@ -137,15 +140,31 @@ class Runs:
 
     seconds: dict          # mode -> [units][repeats] seconds
     token_ids: dict        # mode -> [units] -> [prompts of the unit] token ids (last repeat)
-    stats: dict            # mode -> the engine's "total" statistics of the last repeat
+    stats: dict            # mode -> [repeats] the engine's statistics of each repeat (its total, or
+                           # the mode's tag where modes share an engine)
     plan_s: dict           # mode -> policy planning seconds of the last repeat
 
 
-def _run_repeats(modes: dict, units: list, repeats: int, batched: bool, concurrency: int | None) -> Runs:
+def _shared_engines(modes: dict) -> set[str]:
+    """The modes whose engine serves another mode too: their requests are tagged with the mode's
+    name and their statistics read from that tag (an engine's total would mix the modes)."""
+    users: dict[int, list[str]] = {}
+    for m, (llm, _) in modes.items():
+        users.setdefault(id(llm.engine), []).append(m)
+    return {m for ms in users.values() if len(ms) > 1 for m in ms}
+
+
+def _run_repeats(modes: dict, units: list, unit_tags: list, repeats: int, batched: bool,
+                 concurrency: int | None, before_repeat) -> Runs:
     names = list(modes)
+    shared = _shared_engines(modes)
+    if shared and any(t is not None for t in unit_tags):
+        raise ValueError(f"tags: modes {sorted(shared)} share an engine, which needs the tags to tell them apart")
     runs = Runs({m: [[0.0] * repeats for _ in units] for m in names}, {m: [None] * len(units) for m in names},
-                {}, {m: 0.0 for m in names})
+                {m: [] for m in names}, {m: 0.0 for m in names})
     for rep in range(repeats):
+        if before_repeat is not None:
+            before_repeat(rep)
         for m in names:
             modes[m][0].engine.reset_metrics()
         for u, unit in enumerate(units):
@@ -153,63 +172,78 @@ def _run_repeats(modes: dict, units: list, repeats: int, batched: bool, concurre
             random.Random(1000 * rep + u).shuffle(order)
             for m in order:
                 llm, params = modes[m]
+                tags = [m] * len(unit) if m in shared else unit_tags[u]
                 runs.seconds[m][u][rep], runs.token_ids[m][u] = generate_timed(llm, unit, params, batched,
-                                                                               concurrency)
+                                                                               concurrency, tags)
         for m in names:
             snap = modes[m][0].stats()
-            runs.stats[m] = snap["total"]
+            runs.stats[m].append(snap.get("by_tag", {}).get(m, {}) if m in shared else snap["total"])
             runs.plan_s[m] = snap.get("plan_time_s", 0.0)
     return runs
+
+
+# the engine's statistics each mode reports (its "total" of the last repeat), with their defaults
+# for a mode that keeps none (autoregressive, transformers)
+_STATS = {"mean_accepted_length": 0.0, "acceptance_rate_per_position": [], "conditional_acceptance_per_position": [],
+          "first_token_acceptance_rate": 0.0, "draft_hit_rate": 0.0, "drafted_tokens_per_step": 0.0, "steps": 0,
+          "drafted_steps": 0, "draft_time_s": 0.0, "verify_time_s": 0.0, "step_time_s": 0.0,
+          "draft_share_of_step": 0.0, "estimated_speedup": None}
 
 
 def _mode_result(runs: Runs, m: str, repeats: int) -> dict:
     secs, n_units = runs.seconds[m], len(runs.seconds[m])
     sec = sum(median(per_unit) for per_unit in secs)
     tokens = sum(len(t) for out in runs.token_ids[m] for t in out)
-    st = runs.stats[m]
+    st = runs.stats[m][-1]
     last_repeat_s = sum(secs[u][-1] for u in range(n_units)) or 1.0
     return {"seconds_median": sec, "seconds_all": [sum(secs[u][r] for u in range(n_units)) for r in range(repeats)],
             "tokens": tokens, "tokens_per_s": tokens / sec if sec > 0 else float("nan"),
-            "mean_accepted_length": st.get("mean_accepted_length", 0.0),
-            "tau": st.get("tokens_per_target_forward", 1.0),
-            "acceptance_rate_per_position": st.get("acceptance_rate_per_position", []),
-            "draft_hit_rate": st.get("draft_hit_rate", 0.0),
-            "drafted_tokens_per_step": st.get("drafted_tokens_per_step", 0.0),
+            "tau": st.get("tokens_per_target_forward", 1.0), **{k: st.get(k, d) for k, d in _STATS.items()},
+            "estimated_speedup_all": [s.get("estimated_speedup") for s in runs.stats[m]],
             "policy_plan_fraction": runs.plan_s[m] / last_repeat_s,
-            "steps": st.get("steps", 0), "draft_time_s": st.get("draft_time_s", 0.0),
-            "verify_time_s": st.get("verify_time_s", 0.0),
             "token_ids": [t for out in runs.token_ids[m] for t in out]}
 
 
-def _add_speedup(v: dict, base: dict) -> None:
-    # paired: each repeat's ratio (the modes of one repeat ran back to back, so slow drifts of
-    # a shared machine cancel), then the median over repeats
+def paired_speedup(base: dict, v: dict) -> dict:
+    """Mode result ``v`` against ``base`` (both from one comparison), paired: each repeat's time
+    ratio (the modes of one repeat ran back to back, so slow drifts of a shared machine cancel),
+    scaled by their token counts; the median over repeats and its interval (median_interval)."""
     scale = v["tokens"] / base["tokens"] if base["tokens"] else 1.0
     ratios = [b / x * scale for b, x in zip(base["seconds_all"], v["seconds_all"]) if x > 0]
-    v["speedup"] = median(ratios or [float("nan")])
-    v["speedup_ratios"] = ratios
-    # how far the paired median can be trusted on this machine (see median_interval)
     lo, hi, cov = median_interval(ratios)
-    v["speedup_interval"] = [lo, hi]
-    v["speedup_interval_coverage"] = cov
+    return {"speedup": median(ratios or [float("nan")]), "speedup_ratios": ratios, "speedup_interval": [lo, hi],
+            "speedup_interval_coverage": cov}
+
+
+def _add_speedup(v: dict, base: dict) -> None:
+    v.update(paired_speedup(base, v))
     v["speedup_of_medians"] = v["tokens_per_s"] / base["tokens_per_s"]
     v["identical_to_ar"] = v["token_ids"] == base["token_ids"]
 
 
 def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool = False,
-            baseline: str = "ar", concurrency: int | None = None) -> dict:
-    """modes: {name: (llm, params)}, each with its own LLM. Batch 1 (batched=False): for every
-    prompt all modes run back to back, in a (seeded) random order that changes from prompt to
-    prompt and from repeat to repeat, so machine noise and position effects (a mode that runs
-    right after itself finds its weights in the CPU caches) hit every mode alike; batched: the
-    whole batch is one unit. Time of a mode = sum over units of the median over repeats; its
-    speedup is the median over repeats of that repeat's time ratio to the baseline (paired).
-    Stats (acceptance, tau, ...) are one repeat's, over all prompts (seeded: every repeat
-    decodes the same tokens). concurrency: all prompts are one unit served with at most that
-    many in flight (``generate_concurrent``)."""
+            baseline: str = "ar", concurrency: int | None = None, tags: list[str] | None = None,
+            whole_pass: bool = False, before_repeat=None) -> dict:
+    """modes: {name: (llm, params)}. Batch 1 (batched=False): for every prompt all modes run
+    back to back, in a (seeded) random order that changes from prompt to prompt and from repeat
+    to repeat, so machine noise and position effects (a mode that runs right after itself finds
+    its weights in the CPU caches) hit every mode alike; batched: the whole batch is one unit.
+    Time of a mode = sum over units of the median over repeats; its speedup is the median over
+    repeats of that repeat's time ratio to the baseline (paired). Stats (acceptance, tau, ...)
+    are one repeat's, over all prompts (seeded: every repeat decodes the same tokens). Modes may
+    share an engine (e.g. with other sampling parameters): their requests are then tagged with
+    the mode's name and each mode's stats are its tag's.
+    concurrency: all prompts are one unit served with at most that many in flight
+    (``generate_concurrent``). tags: a request tag per prompt. whole_pass: batch 1, but the modes
+    alternate whole passes over the prompts (one unit), not prompt by prompt. before_repeat(rep):
+    called before each repeat (untimed), e.g. to recalibrate."""
     batched = batched or bool(concurrency)
-    units = [prompts] if batched else [[p] for p in prompts]
-    runs = _run_repeats(modes, units, repeats, batched, concurrency)
+    if tags is not None and len(tags) != len(prompts):
+        raise ValueError(f"tags: one per prompt ({len(prompts)}), got {len(tags)}")
+    one_unit = batched or whole_pass
+    units = [prompts] if one_unit else [[p] for p in prompts]
+    unit_tags = [tags] if one_unit else [None if tags is None else [tags[i]] for i in range(len(prompts))]
+    runs = _run_repeats(modes, units, unit_tags, repeats, batched, concurrency, before_repeat)
     res = {m: _mode_result(runs, m, repeats) for m in modes}
     base = res.get(baseline)
     if base:

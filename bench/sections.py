@@ -9,21 +9,33 @@
 - ``misaligned``  the draft sampled with another top-p / temperature than the target (a
                   ``wrap_drafter`` hook; the engine itself always aligns them).
 - ``peer``        Hugging Face transformers greedy and assisted generation (bench.peer).
+- ``penalties``   acceptance and tokens/s with and without penalties, per drafter (bench.penalties).
+- ``batching``    admission by predicted acceptance vs FIFO on a mixed workload (bench.batching).
+- ``long_context`` the draft's KV window vs the full-cache draft at long contexts (bench.long_context).
+- ``speedup_estimate`` the runtime's speedup estimate vs the measured speedup (bench.speedup_estimate).
 """
 from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import asdict
 
+from bench.batching import section_batching
 from bench.context import BenchContext
 from bench.costs import expected_accepted, measure_costs, theoretical_speedup, v_at
 from bench.machine import loadavg, machine_info
 from bench.models import resolve_pair
+from bench.long_context import section_long_context
 from bench.peer import section_peer
+from bench.penalties import section_penalties
 from bench.runner import compare, median, median_interval, now, strip_ids
+from bench.speedup_estimate import section_speedup_estimate
 from bench.workloads import CATEGORIES, Settings
 
-SECTIONS = ("costs", "categories", "k_sweep", "temperature", "batch", "misaligned", "peer")
+SECTIONS = ("costs", "categories", "k_sweep", "temperature", "batch", "misaligned", "peer", "penalties", "batching",
+            "long_context", "speedup_estimate")
+# what --quick runs unless --sections says otherwise (< ~10 min on a 2-core CPU); the rest run by name
+QUICK_SECTIONS = ("costs", "categories", "k_sweep", "temperature", "batch", "misaligned", "peer", "penalties",
+                  "speedup_estimate")
 
 
 def section_costs(ctx: BenchContext) -> dict:
@@ -80,7 +92,9 @@ def section_k_sweep(ctx: BenchContext) -> dict:
                     "mean_draft_length": res[p]["drafted_tokens_per_step"], "tau": res[p]["tau"],
                     "identical_to_ar": res[p]["identical_to_ar"]}
                 for p in ("confidence", "head", "budget") if p in res}
-    r, expected, conditional = expected_accepted(fixed)
+    r, expected = expected_accepted(fixed)
+    # the engine's own count of P(i accepted | 0..i-1 accepted): never above 1
+    conditional = fixed[max(ctx.s.ks)]["conditional_acceptance_per_position"]
     return {"drafter": ctx.main_drafter, "r": r, "modes": strip_ids(res), "best_fixed_k": best_k,
             "best_fixed_speedup": best, "policies": policies, "skipped": skipped,
             "expected_accepted": expected, "conditional_acceptance_at_kmax": conditional}
@@ -204,7 +218,9 @@ def run_all(target="builtin", draft="builtin", device=None, settings: Settings |
         order.insert(0, "costs")
     run = {"costs": section_costs, "categories": lambda c: section_categories(c, res["costs"]),
            "k_sweep": section_k_sweep, "temperature": section_temperature, "batch": section_batch,
-           "misaligned": section_misaligned, "peer": section_peer}
+           "misaligned": section_misaligned, "peer": section_peer, "penalties": section_penalties,
+           "batching": section_batching, "long_context": section_long_context,
+           "speedup_estimate": section_speedup_estimate}
     for sec in order:
         t0 = now()
         log(f"specrt bench: {sec} ...")

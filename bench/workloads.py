@@ -46,19 +46,31 @@ class Settings:
     cost_reps: int = 40
     sweep_prompts_per_category: int = 2
     misaligned_cases: int = 3
+    penalty_temperatures: tuple = (0.0, 0.8)   # penalties: greedy and sampled
+    penalty_vocab_sizes: tuple = (32000, 128256)   # penalties: per-verify op costs at these V (and the target's)
+    batching_requests_per_kind: int = 12      # batching: repetitive and free-text requests, each
+    batching_batch_size: int = 4              # batching: max_batch_size, fewer than the requests
+    long_contexts: tuple = (512, 1024, 2048)  # long_context: prompt lengths (cut to the model's context)
+    long_windows: tuple = (128, 256)          # long_context: draft KV windows W beside the full cache
+    long_sinks: int = 4                       # long_context: attention sinks S
+    long_prompts: int = 3                     # long_context: prompts per context length
+    long_max_tokens: int = 40                 # long_context: new tokens per prompt
 
     @classmethod
     def quick(cls) -> "Settings":
         return cls(prompts_per_category=2, max_tokens=40, max_prompt_tokens=160, repeats=3, ks=(1, 2, 3, 4, 6, 8),
                    batch_sizes=(1, 4, 16, 32), batch_max_tokens=32, peer_prompts=4, cost_reps=25,
-                   sweep_prompts_per_category=1, misaligned_cases=2)
+                   sweep_prompts_per_category=1, misaligned_cases=2, penalty_temperatures=(0.0,),
+                   batching_requests_per_kind=8, long_contexts=(512, 2048), long_windows=(256,), long_prompts=2)
 
     @classmethod
     def minimal(cls) -> "Settings":
         """For the smoke test: every section, tiny sizes."""
         return cls(prompts_per_category=1, max_tokens=8, max_prompt_tokens=48, repeats=1, ks=(1, 2),
                    batch_sizes=(1, 2), batch_max_tokens=6, peer_prompts=1, cost_reps=2,
-                   sweep_prompts_per_category=1, draft_length=2, batch_repeats=1)
+                   sweep_prompts_per_category=1, draft_length=2, batch_repeats=1, penalty_temperatures=(0.0, 0.8),
+                   penalty_vocab_sizes=(), batching_requests_per_kind=2, batching_batch_size=2,
+                   long_contexts=(64, 96), long_windows=(16,), long_prompts=1, long_max_tokens=6)
 
 
 @dataclass(frozen=True)
@@ -119,3 +131,29 @@ def build_prompts(tokenizer, n: int, max_prompt_tokens: int) -> dict[str, list[P
     """Tokenized prompts; long ones keep their LAST max_prompt_tokens tokens (the cut point)."""
     return {cat: [Prompt(name, tokenizer.encode(text)[-max_prompt_tokens:]) for name, text in items]
             for cat, items in build_prompt_texts(n).items()}
+
+
+def mixed_workload(tokenizer, n: int, max_prompt_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """n repetition-heavy (n-gram friendly) and n free-text prompts, interleaved, with their tags
+    ("repetitive" / "free_text"): the mixed workload of the batching section."""
+    cats = build_prompts(tokenizer, n, max_prompt_tokens)
+    prompts, tags = [], []
+    for i in range(n):
+        for tag, cat in (("repetitive", "repetition"), ("free_text", "free_text")):
+            if i < len(cats[cat]):
+                prompts.append(cats[cat][i].token_ids)
+                tags.append(tag)
+    return prompts, tags
+
+
+def long_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n prompts of ``length`` tokens: windows spread over the held-out modules, concatenated."""
+    ids: list[int] = []
+    for _, text in heldout_files():
+        ids += tokenizer.encode(text)
+        if len(ids) >= (n + 1) * length:
+            break
+    if len(ids) < length:
+        raise ValueError(f"long_contexts: the held-out modules give only {len(ids)} tokens, fewer than {length}")
+    step = max((len(ids) - length) // max(n, 1), 1)
+    return [ids[i * step:i * step + length] for i in range(n)]
