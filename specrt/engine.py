@@ -28,6 +28,7 @@ from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_s
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
 from specrt.loading import ModelLoader, load_target
 from specrt.attention import KVWindow
+from specrt.calibration import calibrate
 from specrt.commit import CommitContext, commit_step
 from specrt.health import HealthRanges
 from specrt.metrics import EngineMetrics
@@ -92,7 +93,7 @@ class LLMEngine:
                                      info=info)
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self._finished_pending: list[Request] = []
         self._health_checked = time.monotonic()
 
@@ -137,14 +138,14 @@ class LLMEngine:
         """Validate every request, then queue them all; ValueError (naming the request) and
         nothing queued if any is bad."""
         reqs = self.intake.check(prompts, params, tags, request_ids, in_use=self.scheduler.requests)
-        with self._lock:
+        with self.lock:
             self.intake.assign(reqs)
             for r in reqs:
                 self.scheduler.add(r)
         return [r.request_id for r in reqs]
 
     def abort_request(self, request_id: str) -> None:
-        with self._lock:
+        with self.lock:
             req = self.scheduler.requests.get(request_id)
             if req is not None and not req.finished:
                 self._finish(req, "abort")
@@ -161,40 +162,16 @@ class LLMEngine:
 
     def calibrate(self, batch_sizes: Sequence[int] = (1, 4), rounds: int = 4, run: int = 4,
                   prompts: Sequence | None = None) -> None:
-        """Seed the cost model (what the budget policy plans with, and the autoregressive step time
-        the speedup estimate divides by) with measured steps of both kinds, so that serving starts
-        with the costs known: for each batch size, throwaway requests decode ``rounds`` x (``run``
-        plain steps, then ``run`` steps drafting max_draft_length tokens). ``prompts`` (text or
-        token ids: typical requests) are what they decode (cut to fit; synthetic ones without).
-        Needs an idle engine; metrics and outputs are left as they were."""
-        if not self.speculative or self.spec.max_draft_length == 0:
-            return
-        with self._lock:
-            if self.has_unfinished():
-                raise RuntimeError("calibrate() needs an idle engine (requests are queued or running)")
-            saved, self.metrics = self.metrics, self.metrics.fresh()
-            K, steps = self.spec.max_draft_length, 2 * rounds * run
-            gen = max(1, min(steps * (K + 1) + 1, self.max_model_len // 2))
-            pool = self.intake.calibration_prompts(prompts, self.max_model_len - gen - 1)
-            try:
-                for B in batch_sizes:
-                    B = max(1, min(int(B), self.spec.max_batch_size))
-                    # an explicit seed: calibration draws nothing from the engine's seed stream
-                    params = SamplingParams(temperature=0.0, ignore_eos=True, seed=0, max_tokens=gen)
-                    ids = [self.add_request(pool[b % len(pool)], params, tag="calibration") for b in range(B)]
-                    for i in range(steps + 1):           # + the prefill step
-                        self._step(forced_k=0 if i == 0 or ((i - 1) // run) % 2 == 0 else K)
-                    for rid in ids:
-                        self.abort_request(rid)
-                    self._drain_finished()
-            finally:
-                self.metrics = saved
+        """Seed the cost model with measured plain and drafting steps (specrt.calibration)."""
+        calibrate(self, batch_sizes, rounds, run, prompts)
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
-        """Run one speculative step over the running batch; returns the requests that changed."""
-        with self._lock:
-            return self._step(forced_k=None)
+    def step(self, forced_k: int | None = None) -> list[RequestOutput]:
+        """Run one speculative step over the running batch; returns the requests that changed.
+        ``forced_k`` (calibration): every request drafts that many, and the step is no
+        acceptance evidence."""
+        with self.lock:
+            return self._step(forced_k)
 
     def _step(self, forced_k: int | None) -> list[RequestOutput]:
         """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""

@@ -34,6 +34,7 @@ LAYERS = [
     "specrt.overlap",
     "specrt.commit",
     "specrt.accounting",
+    "specrt.calibration",
     "specrt.engine",
     "specrt.distributed",
     "specrt.warmup",
