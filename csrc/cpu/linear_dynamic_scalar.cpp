@@ -24,10 +24,7 @@ void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int6
   const int64_t K = p.K, G = K / kGroup, row = p.pairs * 64, lanes = p.pairs * 16;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
-    int8_t* q = const_cast<int8_t*>(p.xq) + m * row;
-    float* dx16 = const_cast<float*>(p.dx16) + m * lanes;
-    int32_t* sx8 = const_cast<int32_t*>(p.sx8) + m * lanes;
-    float* e = const_cast<float*>(p.e) + m * G;
+    const auto [q, dx16, sx8, e] = act_row(p, m);
     for (int64_t i = 0; i < lanes; ++i) {
       dx16[i] = 0.0f;
       sx8[i] = 0;
