@@ -192,8 +192,10 @@ def specrt_mode(llm, name: str, prec: str, n: int, is_ar: bool) -> Mode:
 
     def stats() -> dict:
         t = llm.stats()["total"]
-        return {"tokens_per_forward": t["tokens_per_target_forward"], "acceptance": t["draft_hit_rate"],
-                "acceptance_per_position": t["acceptance_rate_per_position"]}
+        out = {"tokens_per_forward": t["tokens_per_target_forward"]}
+        if not is_ar:
+            out.update(acceptance=t["draft_hit_rate"], acceptance_per_position=t["acceptance_rate_per_position"])
+        return out
     return Mode(name, "specrt", prec, lambda ids: list(llm.generate([ids], params)[0].token_ids),
                 stats, llm.engine.reset_metrics, is_ar)
 
@@ -260,6 +262,8 @@ def hf_draft(draft: str, dtype, vocab: int):
 
     from specrt.models import resolve_model
 
+    if draft.startswith(("ngram", "self:")):
+        raise ValueError(f"{draft!r} is one of specrt's own drafters, not a model")
     path = resolve_model(draft, "draft")
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise ValueError(f"{path} is not an HF model folder")
@@ -273,25 +277,32 @@ def hf_draft(draft: str, dtype, vocab: int):
     return model
 
 
+def forward_counter(model) -> list[int]:
+    """[forwards so far] of ``model``, one hook per model (the modes sharing it read differences)."""
+    if not hasattr(model, "peers_forwards"):
+        model.peers_forwards = [0]
+        model.register_forward_pre_hook(lambda *_: model.peers_forwards.__setitem__(0, model.peers_forwards[0] + 1))
+    return model.peers_forwards
+
+
 def hf_mode(name: str, prec: str, model, n: int, extra: dict) -> Mode:
-    forwards, made = [0], [0]
-    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    total, forwards, made = forward_counter(model), [0], [0]
     model.generation_config.eos_token_id = None     # exactly n tokens, as the other modes
     model.generation_config.pad_token_id = 0
 
     def run(ids: list[int]) -> list[int]:
         x = torch.tensor([ids])
+        before = total[0]
         with torch.no_grad():
             g = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
                                min_new_tokens=n, **extra)
+        forwards[0] += total[0] - before
         made[0] += n
         return g[0, len(ids):].tolist()
 
     def reset():
         forwards[0] = made[0] = 0
-    # forwards counts the assistant's too when it is a model: report only for single-model modes
-    stats = None if "assistant_model" in extra else (lambda: {"tokens_per_forward": made[0] / max(forwards[0], 1)})
-    return Mode(name, "transformers", prec, run, stats, reset)
+    return Mode(name, "transformers", prec, run, lambda: {"tokens_per_forward": made[0] / max(forwards[0], 1)}, reset)
 
 
 def llama_modes(args, skipped: dict) -> list[Mode]:
@@ -378,7 +389,7 @@ def print_table(rows: list[dict], header: str) -> None:
     print("| mode | tok/s | vs specrt AR | tokens/forward | acceptance | identical to AR |\n|---|---|---|---|---|---|")
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-"
-        acc = f"{r['acceptance']:.2f}" if r.get("acceptance") else "-"
+        acc = f"{r['acceptance']:.2f}" if "acceptance" in r else "-"
         print(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio_vs_specrt_ar']:.2f}x | {tpf} | {acc} "
               f"| {r['identical_to_ar']} |")
 
