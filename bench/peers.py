@@ -401,7 +401,7 @@ def headline(rows: list[dict], timed: dict[str, Timed]) -> dict:
     spec = [r for r in rows if r["family"] == "specrt" and not r["identical_to_ar"] == "reference"]
     if not spec:
         return out
-    for prec in {r["precision"] for r in spec}:
+    for prec in sorted({r["precision"] for r in spec}):
         best = max((r for r in spec if r["precision"] == prec), key=lambda r: r["tokens_per_s"])
         for fam in ("llama.cpp", "transformers"):
             peer = [r for r in rows if r["family"] == fam]
