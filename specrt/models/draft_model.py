@@ -1,0 +1,279 @@
+"""Draft models that borrow the target's embeddings and a reduced vocabulary head.
+
+Two kinds share one class (``DraftModel``) and one folder format:
+
+* ``"feature"`` — EAGLE-style (Li et al. 2024): at position p the draft reads
+  ``fc(concat(embed(x_p), f_{p-1}))`` -> its decoder layer(s) -> final norm, where
+  ``f_{p-1}`` is the FEATURE of position p-1: the target's final-normed hidden state,
+  i.e. exactly the vector the target's lm_head multiplies at that position
+  (``LlamaForCausalLM.forward(..., return_hidden=True)`` returns it). The draft's own
+  output at p (also final-normed, the vector its head multiplies) is its prediction of
+  f_p and is fed back at p+1 while it drafts ahead of the target. Position 0 reads a zero
+  feature.
+* ``"layers"`` — a standalone draft: a few target layers on the token embeddings.
+
+The head covers only ``draft_vocab_size`` target tokens (FR-Spec, Zhao et al. 2025):
+``draft_to_target[i]`` is the target id of draft logit i, so the draft proposes only those
+ids and gives every other token probability zero (``expand_probs``). Its weights are the
+target's tied embedding rows of those ids, taken from the target at load time, so a
+draft folder stores only its own layers, fc, norm and the id map:
+
+    config.json        architectures ["SpecrtDraftModel"], the layer config (the target's,
+                       num_hidden_layers = the draft's depth) and "specrt_draft" (kind,
+                       draft_vocab_size, target_* sizes for a compatibility check)
+    model.safetensors  [fc.weight [H, 2H]], layers.{i}.*, norm.weight, draft_to_target [N] int64
+    generation_config.json   bos / eos / pad ids copied from the target
+
+Example (engine side: one draft step for every request at once)::
+
+    draft = DraftModel.from_pretrained(folder, target)           # binds target embeddings
+    logits, feats = draft(input_ids, positions, meta, kv, features=f)   # [L, N], [L, H]
+    probs = draft.expand_probs(logits.softmax(-1))               # [L, V] zero off the map
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrt.kv_cache import AttentionMetadata
+from specrt.models.config import ModelConfig
+from specrt.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding, rms_norm, rope_operands
+
+ARCHITECTURE = "SpecrtDraftModel"
+KINDS = ("feature", "layers")
+
+
+@dataclass
+class DraftConfig:
+    kind: str                  # "feature" | "layers"
+    layer_config: ModelConfig  # the decoder layers' config (num_layers = the draft's depth)
+    draft_vocab_size: int      # N: rows of the reduced head
+    target_vocab_size: int
+    target_hidden_size: int
+    extra: dict = field(default_factory=dict)  # provenance: init layers, training summary
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer_config.hidden_size
+
+    def to_dict(self) -> dict:
+        raw = dict(self.layer_config.extra)
+        raw.update(architectures=[ARCHITECTURE], num_hidden_layers=self.layer_config.num_layers)
+        raw["specrt_draft"] = {"kind": self.kind, "draft_vocab_size": self.draft_vocab_size,
+                               "target_vocab_size": self.target_vocab_size,
+                               "target_hidden_size": self.target_hidden_size,
+                               "feature": "target final-normed hidden state at the previous position",
+                               **self.extra}
+        return raw
+
+    @classmethod
+    def from_dict(cls, raw: dict, where: str = "config") -> "DraftConfig":
+        spec = raw.get("specrt_draft")
+        if raw.get("architectures") != [ARCHITECTURE] or not isinstance(spec, dict):
+            raise ValueError(f"{where}: not a specrt draft (architectures {raw.get('architectures')!r}, "
+                             f"expected [{ARCHITECTURE!r}] with a 'specrt_draft' section)")
+        if spec.get("kind") not in KINDS:
+            raise ValueError(f"{where}: specrt_draft.kind {spec.get('kind')!r} not in {KINDS}")
+        layer = ModelConfig.from_json({**raw, "architectures": ["LlamaForCausalLM"]})
+        known = ("kind", "draft_vocab_size", "target_vocab_size", "target_hidden_size", "feature")
+        return cls(kind=spec["kind"], layer_config=layer, draft_vocab_size=int(spec["draft_vocab_size"]),
+                   target_vocab_size=int(spec["target_vocab_size"]),
+                   target_hidden_size=int(spec["target_hidden_size"]),
+                   extra={k: v for k, v in spec.items() if k not in known})
+
+
+def is_draft_folder(path) -> bool:
+    """True when ``path`` is a folder holding a DraftModel (config.json names SpecrtDraftModel)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("architectures") == [ARCHITECTURE]
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+class DraftModel(nn.Module):
+    """A feature (EAGLE-style) or layer draft with a reduced-vocabulary head (module docstring)."""
+
+    def __init__(self, config: DraftConfig, draft_to_target: torch.Tensor):
+        super().__init__()
+        H, lc = config.hidden_size, config.layer_config
+        if draft_to_target.shape != (config.draft_vocab_size,):
+            raise ValueError(f"draft_to_target {tuple(draft_to_target.shape)} != [{config.draft_vocab_size}]")
+        self.config = config
+        self.fc = nn.Linear(2 * H, H, bias=False) if config.kind == "feature" else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(lc.num_layers))
+        self.norm = RMSNorm(H, lc.rms_norm_eps)
+        self.register_buffer("draft_to_target", draft_to_target.to(torch.int64).clone())
+        self.rotary = RotaryEmbedding(lc)
+        self.embed: torch.Tensor | None = None  # [V, H] the target's embedding (bound, not saved)
+        self.head: torch.Tensor | None = None   # [N, H] its rows at draft_to_target
+        self._prepared = False
+
+    # ------------------------------------------------------------------ binding and I/O
+    def bind_target(self, embed_weight: torch.Tensor) -> "DraftModel":
+        """Take the input embedding [V, H] and the reduced head (its rows at the id map) from the target."""
+        cfg = self.config
+        if tuple(embed_weight.shape) != (cfg.target_vocab_size, cfg.target_hidden_size):
+            raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match the draft's target "
+                             f"[{cfg.target_vocab_size}, {cfg.target_hidden_size}]")
+        dtype, dev = self.norm.weight.dtype, self.norm.weight.device
+        self.embed = embed_weight.detach().to(dev, dtype)
+        self.head = self.embed.index_select(0, self.draft_to_target.to(dev)).contiguous()
+        return self
+
+    @property
+    def lm_config(self) -> ModelConfig:
+        """The decoder layers' config (what a paged KV cache for this draft is sized from)."""
+        return self.config.layer_config
+
+    def save_pretrained(self, folder, generation_config: dict | None = None, dtype=torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        state = {k: (v if k == "draft_to_target" else v.to(dtype)).detach().contiguous().clone()
+                 for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        raw = self.config.to_dict()
+        raw["torch_dtype"] = str(dtype).replace("torch.", "")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(raw, f, indent=2, sort_keys=True)
+        if generation_config is not None:
+            with open(os.path.join(folder, "generation_config.json"), "w") as f:
+                json.dump(generation_config, f, indent=2)
+
+    @classmethod
+    def from_pretrained(cls, folder, target=None, dtype=torch.float32, device="cpu") -> "DraftModel":
+        """Load a draft folder; ``target`` (a LlamaForCausalLM or an embedding tensor [V, H]) binds
+        the shared embeddings. ValueError for a folder that is not a draft or mismatches the target."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"draft folder has no config.json: {folder}")
+        config = DraftConfig.from_dict(json.loads((folder / "config.json").read_text()), str(folder))
+        try:
+            state = load_file(str(folder / "model.safetensors"))
+        except Exception as e:  # noqa: BLE001 - missing / corrupt file
+            raise ValueError(f"cannot read {folder / 'model.safetensors'}: {type(e).__name__}: {e}") from None
+        model = cls(config, state["draft_to_target"])
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder}: draft weights do not match its config: missing {missing[:6]}, "
+                             f"unexpected {unexpected[:6]}")
+        model = model.to(device=device, dtype=dtype)
+        model.draft_to_target = model.draft_to_target.long()
+        if target is not None:
+            emb = target if isinstance(target, torch.Tensor) else target.model.embed_tokens.weight
+            model.bind_target(emb)
+        return model.eval().requires_grad_(False)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._prepared = False
+        out = super()._apply(fn, *args, **kwargs)
+        if self.embed is not None:  # keep the bound target tensors on the draft's device / dtype
+            self.bind_target(self.embed)
+        return out
+
+    # ------------------------------------------------------------------ vocabulary map
+    def expand_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., N] draft probabilities -> [..., V] over the target vocabulary (zero off the map)."""
+        out = probs.new_zeros(*probs.shape[:-1], self.config.target_vocab_size)
+        return out.index_copy_(-1, self.draft_to_target, probs) if probs.dim() == 1 else \
+            out.scatter_(-1, self.draft_to_target.expand_as(probs), probs)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft vocabulary indices -> target token ids (same shape)."""
+        return self.draft_to_target[draft_ids.long()]
+
+    # ------------------------------------------------------------------ forward
+    def embed_inputs(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream entering layer 0: [..., H] (fc over [embedding, feature] for feature drafts)."""
+        if self.embed is None:
+            raise RuntimeError("DraftModel: call bind_target() (or from_pretrained(target=...)) first")
+        x = F.embedding(input_ids, self.embed)
+        if self.fc is None:
+            return x
+        if features is None or features.shape != x.shape:
+            raise ValueError(f"a feature draft needs features of shape {tuple(x.shape)}, got "
+                             f"{None if features is None else tuple(features.shape)}")
+        return self.fc(torch.cat([x, features.to(x.dtype)], -1))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary logits [..., N] of final-normed states h [..., H]."""
+        return F.linear(h, self.head)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, features: torch.Tensor | None = None,
+                logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step over a mixed batch through the paged KV cache (like LlamaForCausalLM.forward).
+
+        input_ids [T] int64; positions [T] int64; features [T, H] (feature drafts: the feature of
+        each row's PREVIOUS position, zeros at position 0); kv_cache [layers, 2, num_blocks,
+        block_size, kv_heads, head_dim] written at meta.slot_mapping; logits_indices [L] rows to
+        return (default all). Returns (logits [L, N] float32 over the draft vocabulary,
+        features [L, H]: the draft's final-normed states, to feed back at the next position).
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
+        if kv_cache.dim() != 6 or kv_cache.shape[0] < len(self.layers):
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)}: expected [>={len(self.layers)} layers, 2, ...]")
+        if not self._prepared:
+            for layer in self.layers:
+                layer.prepare()
+            self._prepared = True
+        x = self.embed_inputs(input_ids, features)  # [T, H]
+        cos, sin = rope_operands(*self.rotary.cos_sin(positions, x.dtype, max(meta.seq_lens_host)))
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, meta, kv_cache)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        h = rms_norm(x, self.norm.weight, self.norm.eps)  # [L, H]
+        return self.logits(h).float(), h
+
+    def dense_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    past: list[tuple[torch.Tensor, torch.Tensor]] = (), mask: torch.Tensor | None = None):
+        """Layer i on a dense batch (training; no KV cache): x [B, T, H]; cos/sin [T, 1, D] from
+        rope_operands; ``past`` earlier (k, v) [B, S, Hkv, D] prepended to this call's keys;
+        mask [T, S + T] bool (None = causal over this call's T tokens). Returns (x, (k, v))."""
+        layer = self.layers[i]
+        a, lc = layer.self_attn, self.config.layer_config
+        B, T, _ = x.shape
+        H, Hkv, D = lc.num_heads, lc.num_kv_heads, lc.head_dim
+        h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        q, k, v = a.q_proj(h).view(B, T, H, D), a.k_proj(h).view(B, T, Hkv, D), a.v_proj(h).view(B, T, Hkv, D)
+        q = q * cos + torch.roll(q, D // 2, -1) * sin  # RoPE (sin's first half negated: rope_operands)
+        k = k * cos + torch.roll(k, D // 2, -1) * sin
+        keys = torch.cat([p[0] for p in past] + [k], 1) if past else k
+        vals = torch.cat([p[1] for p in past] + [v], 1) if past else v
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2).to(q.dtype),
+                                           vals.transpose(1, 2).to(q.dtype), attn_mask=mask,
+                                           is_causal=mask is None, scale=a.scale, enable_gqa=H != Hkv)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(B, T, H * D))
+        h2 = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        m = layer.mlp
+        return x + m.down_proj(m.act(m.gate_proj(h2)) * m.up_proj(h2)), (k, v)
+
+    def dense_rope(self, seq_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / signed sin [T, 1, D] for positions 0..seq_len-1 (dense_layer's operands)."""
+        pos = torch.arange(seq_len, device=device)
+        return rope_operands(*self.rotary.cos_sin(pos, dtype, seq_len))
+
+    def forward_dense(self, input_ids: torch.Tensor, features: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced dense forward (training / offline evaluation): input_ids [B, T] from
+        position 0, features [B, T, H] as in ``forward``. Returns (logits [B, T, N], states [B, T, H])."""
+        x = self.embed_inputs(input_ids, features)
+        cos, sin = self.dense_rope(x.shape[1], x.dtype, x.device)
+        for i in range(len(self.layers)):
+            x, _ = self.dense_layer(i, x, cos, sin)
+        h = rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.logits(h), h
