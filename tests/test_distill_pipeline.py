@@ -297,3 +297,20 @@ def test_draft_folder_errors_name_the_problem(tmp_path, target):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="not a specrt draft"):
         DraftModel.from_pretrained(tmp_path, target)
+
+
+@needs_builtin
+def test_corpus_files_become_sequences(tmp_path):
+    from specrt.models import load_tokenizer
+    from specrt.training.onpolicy import corpus_sequences
+    tok = load_tokenizer(os.path.join(BUILTIN, "target"))
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x + 1\n" * 20)
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "import os\nprint(os.getcwd())\n"}) + "\n\n")
+    s = corpus_sequences([str(tmp_path / "*.txt"), str(tmp_path / "b.jsonl")], tok, max_len=32)
+    assert all(2 <= len(t) <= 32 for t in s.token_ids) and s.prompt_lens == [1] * len(s.token_ids)
+    assert tok.decode(s.token_ids[-1]) == "import os\nprint(os.getcwd())\n"
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:1: expected an object with a 'text'"):
+        corpus_sequences([str(tmp_path / "c.jsonl")], tok, 32)
+    with pytest.raises(ValueError, match="no such file"):
+        corpus_sequences([str(tmp_path / "missing.txt")], tok, 32)

@@ -8,8 +8,8 @@ Stages (each resumes from what an interrupted run left in ``--work``, default ``
               specrt's model and paged KV cache; greedy and sampled) and the teacher's top-k
               log-probabilities and features are recorded in the same pass; or ``--corpus``
               (text / JSONL) followed by one teacher pass. Shards: WORK/train/teacher_*.safetensors
-  2. vocab    the ``--vocab`` most frequent target tokens of the data (auto: the smallest of
-              2k/4k/8k/16k/32k that covers 98% of the tokens the target produced)
+  2. vocab    the ``--vocab`` most frequent target tokens: produced tokens plus the teacher's
+              top-k mass (auto: the smallest of 2k/4k/8k/16k/32k covering 98% of that weight)
   3. train    a feature draft (EAGLE-style, one layer initialised from the target's last) or a
               layer draft (target layers, ``--layers auto`` picks the pair with the lowest KL)
               against the stored teacher: bf16 autocast, tqdm, a checkpoint WORK/ckpt_ARCH.pt
@@ -130,7 +130,7 @@ def run(args, log=print) -> dict:
     from specrt.models.draft_model import DraftModel
     from specrt.training.draft_eval import chain_acceptance
     from specrt.training.draft_train import TrainConfig, init_draft, train_draft
-    from specrt.training.vocab import build_reduced_vocab, token_counts
+    from specrt.training.vocab import build_reduced_vocab, teacher_mass, token_counts
 
     torch.set_num_threads(args.threads)
     src = resolve_target(args.target)
@@ -144,7 +144,8 @@ def run(args, log=print) -> dict:
     gen_mask = torch.cat([torch.arange(int(store.offsets[s]) + int(store.prompt_lens[s]), int(store.offsets[s + 1]))
                           for s in range(store.num_sequences)])
     produced = store.token_ids[gen_mask] if gen_mask.numel() else store.token_ids
-    counts = token_counts(produced, target.config.vocab_size)
+    counts = token_counts(produced, target.config.vocab_size) + teacher_mass(
+        store.topk_ids, store.topk_logprobs, target.config.vocab_size)
     n = choose_vocab_size(counts, args.vocab)
     vocab = build_reduced_vocab(counts, n, always=tokenizer.eos_token_ids)
     log(f"data: {store.num_sequences} sequences, {store.token_ids.numel()} positions ({produced.numel()} produced "
