@@ -314,3 +314,26 @@ def test_corpus_files_become_sequences(tmp_path):
         corpus_sequences([str(tmp_path / "c.jsonl")], tok, 32)
     with pytest.raises(ValueError, match="no such file"):
         corpus_sequences([str(tmp_path / "missing.txt")], tok, 32)
+
+
+SMOLLM2_DRAFT = os.path.join(BUILTIN, "smollm2-draft")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(SMOLLM2_DRAFT, "model.safetensors")),
+                    reason="specrt/builtin/smollm2-draft not shipped")
+def test_shipped_smollm2_draft_is_small_and_consistent():
+    """The packaged SmolLM2 draft: its own weights only (the target's embeddings are bound at
+    load time), an ascending id map that covers the end-of-turn token, the target's special ids."""
+    size = sum(os.path.getsize(os.path.join(SMOLLM2_DRAFT, f)) for f in os.listdir(SMOLLM2_DRAFT))
+    assert size < 16e6
+    embed = torch.randn(49152, 576) * 0.05  # stands in for SmolLM2's embedding table
+    d = DraftModel.from_pretrained(SMOLLM2_DRAFT, embed)
+    v = ReducedVocab.from_map(d.draft_to_target, 49152)  # validates: ascending, in range
+    assert 2 in v.draft_to_target.tolist() and d.config.target_vocab_size == 49152
+    assert torch.equal(d.head, embed[d.draft_to_target])
+    gen = json.loads(open(os.path.join(SMOLLM2_DRAFT, "generation_config.json")).read())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+    ids = torch.tensor([[1, 9690, 198, 2683]])
+    feats = torch.randn(1, 4, 576) if d.config.kind == "feature" else None
+    logits, h = d.forward_dense(ids, feats)
+    assert logits.shape == (1, 4, d.config.draft_vocab_size) and torch.isfinite(logits).all()

@@ -151,13 +151,14 @@ def run(args, log=print) -> dict:
     log(f"data: {store.num_sequences} sequences, {store.token_ids.numel()} positions ({produced.numel()} produced "
         f"by the target) in {data_s:.0f}s; draft vocabulary {n} covers {vocab.coverage(produced):.4f} of them")
 
-    if args.arch == "feature":
-        layers = [target.config.num_layers - 1] if args.layers == "auto" else _ints(args.layers)
+    if args.layers != "auto":
+        layers = _ints(args.layers)
+    elif args.arch == "feature" and args.num_layers == 1:
+        layers = [target.config.num_layers - 1]
     else:
-        layers = (choose_layers(target, store, vocab, args.num_layers, log=log) if args.layers == "auto"
-                  else _ints(args.layers))
+        layers = choose_layers(target, store, vocab, args.num_layers, log=log)
     target_f32 = target.float()  # trainable copies are made in fp32
-    draft = init_draft(target_f32, args.arch, layers, vocab)
+    draft = init_draft(target_f32, args.arch, layers, vocab, args.fc_init)
     cfg = TrainConfig(steps=args.steps, budget_s=args.budget_min * 60, lr=args.lr, warmup=args.warmup,
                       batch_tokens=args.batch_tokens, chain_steps=args.chain_steps, seed=args.seed)
     summary = train_draft(draft, store, vocab, cfg, os.path.join(work, f"ckpt_{args.arch}.pt"), log=log)
@@ -196,7 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "HF draft: specrt.training.distill's older recipe)")
     ap.add_argument("--init", choices=["layers"], default="layers", help="initialise from the target's layers")
     ap.add_argument("--layers", default="auto", help="target layer indices 'i,j,..' or auto")
-    ap.add_argument("--num-layers", type=int, default=2, help="layer drafts: depth when --layers auto")
+    ap.add_argument("--num-layers", type=int, default=2,
+                    help="draft depth for --layers auto (a 1-layer feature draft starts from the last layer)")
+    ap.add_argument("--fc-init", choices=["embed", "sum"], default="embed",
+                    help="feature drafts: fc starts as [I, 0] (the layer draft) or [I, I]")
     ap.add_argument("--corpus", nargs="+", default=None, help="text / JSONL files instead of on-policy data")
     ap.add_argument("--max-len", type=int, default=512, help="--corpus: tokens per sequence")
     ap.add_argument("--num-prompts", type=int, default=512, help="on-policy: built-in training prompts")

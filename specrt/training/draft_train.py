@@ -65,13 +65,17 @@ def draft_config_for(target_config, kind: str, num_layers: int, vocab: ReducedVo
                        extra=dict(extra))
 
 
-def init_draft(target, kind: str, layers: list[int], vocab: ReducedVocab) -> DraftModel:
-    """A draft whose layer j is a copy of target layer ``layers[j]``, whose norm is the target's
-    final norm and (feature drafts) whose fc starts as [I, I]: embedding + feature."""
+def init_draft(target, kind: str, layers: list[int], vocab: ReducedVocab, fc_init: str = "embed") -> DraftModel:
+    """A draft whose layer j is a copy of target layer ``layers[j]`` and whose norm is the target's
+    final norm. A feature draft's fc starts as [I, 0] (``fc_init="embed"``: exactly the layer draft
+    of the same layers, which then learns to read the features) or [I, I] ("sum")."""
+    if fc_init not in ("embed", "sum"):
+        raise ValueError(f"fc_init must be 'embed' or 'sum', got {fc_init!r}")
     L = target.config.num_layers
     if not layers or any(not 0 <= i < L for i in layers):
         raise ValueError(f"layers {layers} must be a non-empty list of target layer indices in [0, {L})")
-    cfg = draft_config_for(target.config, kind, len(layers), vocab, {"init": {"target_layers": list(layers)}})
+    cfg = draft_config_for(target.config, kind, len(layers), vocab,
+                           {"init": {"target_layers": list(layers), "fc": fc_init if kind == "feature" else None}})
     draft = DraftModel(cfg, vocab.draft_to_target)
     for j, i in enumerate(layers):
         src = {k: v.detach().clone().float() for k, v in target.model.layers[i].state_dict().items()}
@@ -80,7 +84,7 @@ def init_draft(target, kind: str, layers: list[int], vocab: ReducedVocab) -> Dra
     if draft.fc is not None:
         H = cfg.hidden_size
         with torch.no_grad():
-            draft.fc.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], 1))
+            draft.fc.weight.copy_(torch.cat([torch.eye(H), torch.eye(H) * (fc_init == "sum")], 1))
     draft.float().bind_target(target.model.embed_tokens.weight)
     return draft
 
