@@ -84,8 +84,9 @@ fi
 [ -f tests/test_sampling_exactness.py ] && \
   step test_exactness 60 "$PY" -m pytest -q -rs tests/test_sampling_exactness.py --junitxml="$OUT/test_exactness.xml"
 
-# 4. kernel microbenchmark (CUDA events; GB/s vs measured copy bandwidth)
-step bench_kernels 150 "$PY" bench/kernels.py --out "$OUT/kernels.json"
+# 4. kernel microbenchmark (CUDA events; GB/s vs measured copy bandwidth), ending with its
+#    attention section (paged attention vs gather + SDPA, bench/attention.py)
+step bench_kernels 150 "$PY" -m bench.kernels --out "$OUT/kernels.json"
 
 # ---------------------------------------------------------------------------
 # ENGINE BENCHMARK: to be added here by the engine issue, e.g.
@@ -94,7 +95,7 @@ step bench_kernels 150 "$PY" bench/kernels.py --out "$OUT/kernels.json"
 # ---------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------
-# 5. END-TO-END (issue 7, specrt/benchmarks.py; results in OUTDIR/e2e/)
+# 5. END-TO-END (the bench/ package, `python -m bench`; results in OUTDIR/e2e/)
 #  a) cost curve on random-weight Llama-shaped models built on the device (no files):
 #     8B-shaped target / 1B-shaped draft in bf16: target step time vs verified tokens at
 #     batch 1/8/32, draft step time, overlap hidden fraction, predicted speedup (~1-2 min).
@@ -103,9 +104,9 @@ step bench_kernels 150 "$PY" bench/kernels.py --out "$OUT/kernels.json"
 # Each step gets what is left of the deadline (GPU_CHECK_BUDGET_S), so raise that when
 # running only this part is not enough, e.g. GPU_CHECK_BUDGET_S=700.
 # ---------------------------------------------------------------------------
-step e2e_cost_curve 150 "$PY" bench/e2e.py cost-curve --target-shape 8b --draft-shape 1b --dtype bfloat16 \
+step e2e_cost_curve 150 "$PY" -m bench cost-curve --target-shape 8b --draft-shape 1b --dtype bfloat16 \
   --device cuda --context 1024 --max-tokens 16 --batch-sizes 1,8,32 --reps 10 --out "$OUT/e2e/cost_curve"
-step e2e_bench 200 "$PY" bench/e2e.py --quick --device cuda --target builtin --draft builtin --repeats 2 \
+step e2e_bench 200 "$PY" -m bench --quick --device cuda --target builtin --draft builtin --repeats 2 \
   --sections costs,categories,k_sweep,batch,peer,temperature,misaligned --out "$OUT/e2e"
 
 echo "total $(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"

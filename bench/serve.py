@@ -198,7 +198,7 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target-model", default=None, help="default: 'builtin' when the built-in pair exists")
     p.add_argument("--draft-model", default=None)
@@ -218,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--server-arg", action="append", default=[], help="extra `specrt serve` argument (repeatable)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve"))
-    args = p.parse_args(argv)
+    return p
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+
+def _models(args, p: argparse.ArgumentParser):
+    """(target, draft, temporary folder to clean up or None) from the arguments."""
     tmp = None
     target, draft = args.target_model, args.draft_model
     if args.tiny:
@@ -240,12 +241,53 @@ def main(argv: list[str] | None = None) -> int:
         draft = "builtin"
     if draft is None:
         p.error("--draft-model is needed for the speculative mode")
+    return target, draft, tmp
+
+
+def _requests_at(args, c: int) -> int:
+    return args.requests or (max(4, c) if args.quick else max(8, 2 * c))
+
+
+def _run_mode(args, srv: "ServerProcess", mode: str, levels: list[int], prompts: list[str], max_tokens: int,
+              time_cap: float, ids: dict) -> list[dict]:
+    """Every concurrency level against one server; each request's token ids into ``ids``."""
+    res = []
+    for c in levels:
+        r = asyncio.run(_level(srv.url, srv.model, prompts[:_requests_at(args, c)], c, max_tokens,
+                               args.temperature, time_cap))
+        ids.update({(c, i): v for i, v in r.pop("_ids").items()})
+        res.append(r)
+        print(f"[{mode}] c={c:<3} {r['requests']:>3} reqs  {r['requests_per_s']:.2f} req/s  "
+              f"{r['output_tokens_per_s']:.1f} tok/s  p50 {r['latency_p50_s']:.3f}s  "
+              f"p99 {r['latency_p99_s']:.3f}s  TTFT p50 {r['ttft_p50_s']:.3f}s", flush=True)
+    return res
+
+
+def _compare_modes(report: dict, ids_by_mode: dict, levels: list[int], temperature: float) -> None:
+    """Speculative / autoregressive tokens/s per level, and (greedy) whether outputs agree."""
+    if not {"speculative", "autoregressive"} <= set(report["results"]):
+        return
+    spec = {r["concurrency"]: r for r in report["results"]["speculative"]}
+    ar = {r["concurrency"]: r for r in report["results"]["autoregressive"]}
+    report["speedup"] = {c: spec[c]["output_tokens_per_s"] / ar[c]["output_tokens_per_s"]
+                         for c in levels if c in spec and c in ar and ar[c]["output_tokens_per_s"] > 0}
+    if temperature == 0:
+        a, b = ids_by_mode["speculative"], ids_by_mode["autoregressive"]
+        common_keys = set(a) & set(b)
+        report["greedy_outputs_identical"] = all(a[k] == b[k] for k in common_keys)
+        report["greedy_outputs_compared"] = len(common_keys)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, draft, tmp = _models(args, p)
     levels = [int(c) for c in args.concurrency.split(",")]
     max_tokens = args.max_tokens or (32 if args.quick else 64)
     time_cap = args.time_cap or (45.0 if args.quick else 120.0)
-    n_max = max(args.requests or (max(4, c) if args.quick else max(8, 2 * c)) for c in levels)
-    prompts_all = _prompts(n_max, tiny=args.tiny)
-
+    prompts_all = _prompts(max(_requests_at(args, c) for c in levels), tiny=args.tiny)
     common = ["--target-model", target, "--max-batch-size", str(args.max_batch_size), "--seed", "0",
               *args.server_arg]
     if args.threads:
@@ -268,19 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             srv = ServerProcess(common + mode_args[mode], out / f"server-{mode}.log", args.ready_timeout)
             print(f"[{mode}] server ready in {srv.startup_s:.1f}s at {srv.url}", flush=True)
             try:
-                res = []
                 ids_by_mode[mode] = {}
-                for c in levels:
-                    n = args.requests or (max(4, c) if args.quick else max(8, 2 * c))
-                    r = asyncio.run(_level(srv.url, srv.model, prompts_all[:n], c, max_tokens, args.temperature,
-                                           time_cap))
-                    ids = r.pop("_ids")
-                    ids_by_mode[mode].update({(c, i): v for i, v in ids.items()})
-                    res.append(r)
-                    print(f"[{mode}] c={c:<3} {r['requests']:>3} reqs  {r['requests_per_s']:.2f} req/s  "
-                          f"{r['output_tokens_per_s']:.1f} tok/s  p50 {r['latency_p50_s']:.3f}s  "
-                          f"p99 {r['latency_p99_s']:.3f}s  TTFT p50 {r['ttft_p50_s']:.3f}s", flush=True)
-                report["results"][mode] = res
+                report["results"][mode] = _run_mode(args, srv, mode, levels, prompts_all, max_tokens, time_cap,
+                                                    ids_by_mode[mode])
                 report.setdefault("server_metrics", {})[mode] = [
                     ln for ln in srv.metrics().splitlines()
                     if ln.startswith(("specrt_tokens_per_target_forward{tag=", "specrt_acceptance_rate{tag="))]
@@ -289,16 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    if {"speculative", "autoregressive"} <= set(report["results"]):
-        spec = {r["concurrency"]: r for r in report["results"]["speculative"]}
-        ar = {r["concurrency"]: r for r in report["results"]["autoregressive"]}
-        report["speedup"] = {c: spec[c]["output_tokens_per_s"] / ar[c]["output_tokens_per_s"]
-                             for c in levels if c in spec and c in ar and ar[c]["output_tokens_per_s"] > 0}
-        if args.temperature == 0:
-            a, b = ids_by_mode["speculative"], ids_by_mode["autoregressive"]
-            common_keys = set(a) & set(b)
-            report["greedy_outputs_identical"] = all(a[k] == b[k] for k in common_keys)
-            report["greedy_outputs_compared"] = len(common_keys)
+    _compare_modes(report, ids_by_mode, levels, args.temperature)
     (out / "serve.json").write_text(json.dumps(report, indent=2, default=str))
     md = _markdown(report)
     (out / "serve.md").write_text(md)

@@ -1,92 +1,58 @@
-// specrt._C: argument checks and CPU/CUDA dispatch for every op.
+// specrt's torch ops: schemas (torch.library, namespace specrt), the op bodies
+// shared by every backend, the CPU registrations, and the small pybind11
+// module specrt._C whose import loads them all.
 //
-// Every check names the argument and says what was expected, and raises a
-// Python exception (TORCH_CHECK_VALUE -> ValueError, TORCH_CHECK_TYPE ->
-// TypeError) instead of letting a kernel touch memory it should not.
+// An op body validates every argument and names it in the error (checks.h),
+// allocates the outputs and calls the backend kernel it was given (ops.h).
 // Value checks (NaN, negative probabilities, token ids, mapping ranges) read
-// the data: on CPU tensors they are cheap and always on unless the caller
-// passes check_values=False; on CUDA tensors they would need a device->host
-// sync, so specrt/ops.py enables them there only in debug mode.
+// the data: specrt/ops.py asks for them on CPU tensors unless the caller
+// passes check_values=False, and on CUDA tensors only in debug mode (each
+// costs a device->host sync). Fake kernels live in specrt/ops.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
+#include <cmath>
 #include <set>
 #include <string>
+#include <vector>
 
+#include "checks.h"
 #include "ops.h"
 #include "specrt/philox.h"
 #include "specrt/sampling.h"
 
 namespace specrt {
+
 namespace {
 
-std::string shape_str(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
-void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
-                  const at::Device& device) {
-  TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", c10::toString(dtype), ", got ",
-                   c10::toString(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
-  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device.str(), " (like the other inputs), got ",
-                    t.device().str());
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-}
-
-void check_size(const at::Tensor& t, const char* name, int64_t dim, int64_t expected, const char* what) {
-  TORCH_CHECK_VALUE(t.size(dim) == expected, name, " must have size ", expected, " (", what, ") in dim ", dim,
-                    ", got shape ", shape_str(t));
-}
-
-// Host copy of a tensor for value checks (a sync for CUDA tensors: only in debug mode).
-at::Tensor host(const at::Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
-
-void check_probs_values(const at::Tensor& probs, const char* name) {
-  const at::Tensor h = host(probs);
-  const float* data = h.data_ptr<float>();
-  const int64_t n = h.numel();
-  const int64_t bad = at::parallel_reduce(
-      0, n, 1 << 16, n,
-      [&](int64_t lo, int64_t hi, int64_t found) {
-        for (int64_t i = lo; i < hi && i < found; ++i)
-          if (!(data[i] >= 0.0f) || data[i] == INFINITY) return i;
-        return found;
-      },
-      [](int64_t a, int64_t b) { return std::min(a, b); });
-  TORCH_CHECK_VALUE(bad == n, name, " must hold finite non-negative probabilities; element ", bad,
-                    " (flat index) is ", data[bad < n ? bad : 0]);
-}
-
-void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab) {
-  const at::Tensor ids = host(draft_token_ids);
-  const at::Tensor counts = host(num_draft_tokens);
-  const int64_t batch = ids.size(0);
-  const int64_t k = ids.size(1);
-  for (int64_t b = 0; b < batch; ++b) {
-    const int32_t n = counts.data_ptr<int32_t>()[b];
-    TORCH_CHECK_VALUE(n >= 0 && n <= k, "num_draft_tokens[", b, "] = ", n, " must be in [0, K=", k, "]");
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t x = ids.data_ptr<int32_t>()[b * k + i];
-      TORCH_CHECK_VALUE(x >= 0 && x < vocab, "draft_token_ids[", b, ", ", i, "] = ", x,
-                        " is out of range for vocabulary size ", vocab);
+// A sampled row's largest finite logit divided by its temperature must stay a
+// float: x / t = inf for the max gives inf - inf = NaN in the softmax.
+void check_scaled_logits_finite(const at::Tensor& logits, const at::Tensor& temperature) {
+  const at::Tensor x = host(logits), t = host(temperature);
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  std::vector<float> row_max(static_cast<size_t>(rows), -INFINITY);
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = x.data_ptr<float>() + r * vocab;
+      float m = -INFINITY;
+      for (int64_t v = 0; v < vocab; ++v) m = row[v] > m ? row[v] : m;   // NaN never wins
+      row_max[r] = m;
     }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const float tv = t.data_ptr<float>()[r], m = row_max[r];
+    if (is_greedy_temperature(tv) || !std::isfinite(m)) continue;   // one-hot rows never divide
+    TORCH_CHECK_VALUE(std::isfinite(m / tv), "logits[", r, "] has largest logit ", m, ", which divided by temperature[",
+                      r, "] = ", tv, " overflows float32; scale the logits or raise the temperature");
   }
 }
 
-void check_positions(const at::Tensor& positions) {
-  const at::Tensor h = host(positions);
-  for (int64_t i = 0; i < h.numel(); ++i)
-    TORCH_CHECK_VALUE(h.data_ptr<int64_t>()[i] >= 0, "positions[", i, "] = ", h.data_ptr<int64_t>()[i],
-                      " must be >= 0");
-}
+}  // namespace
 
-// ----------------------------------------------------------------------------
-at::Tensor probs_from_logits(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                             const at::Tensor& top_p, bool check_values) {
+at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                                const at::Tensor& top_p, const std::optional<at::Tensor>& min_p, bool check_values,
+                                ProbsFromLogitsKernel kernel) {
   TORCH_CHECK_VALUE(logits.defined(), "logits must be a tensor, got None");
   const at::Device device = logits.device();
   check_tensor(logits, "logits", at::kFloat, 2, device);
@@ -94,38 +60,46 @@ at::Tensor probs_from_logits(const at::Tensor& logits, const at::Tensor& tempera
   TORCH_CHECK_VALUE(logits.size(1) > 0, "logits must have a non-empty vocabulary dimension, got shape ",
                     shape_str(logits));
   check_tensor(temperature, "temperature", at::kFloat, 1, device);
-  check_tensor(top_k, "top_k", at::kInt, 1, device);
+  check_int_arg(top_k, "top_k", 1, device);
   check_tensor(top_p, "top_p", at::kFloat, 1, device);
   check_size(temperature, "temperature", 0, rows, "rows of logits");
   check_size(top_k, "top_k", 0, rows, "rows of logits");
   check_size(top_p, "top_p", 0, rows, "rows of logits");
+  const at::Tensor mp = min_p.has_value() ? *min_p : at::Tensor();
+  if (mp.defined()) {
+    check_tensor(mp, "min_p", at::kFloat, 1, device);
+    check_size(mp, "min_p", 0, rows, "rows of logits");
+  }
   if (check_values) {
-    const at::Tensor t = host(temperature), k = host(top_k), p = host(top_p);
+    const at::Tensor t = host(temperature), k = wide_host(top_k), p = host(top_p);
     for (int64_t r = 0; r < rows; ++r) {
       const float tv = t.data_ptr<float>()[r];
       TORCH_CHECK_VALUE(std::isfinite(tv) && tv >= 0.0f, "temperature[", r, "] = ", tv,
                         " must be finite and >= 0 (0 means greedy)");
-      TORCH_CHECK_VALUE(k.data_ptr<int32_t>()[r] >= 0, "top_k[", r, "] = ", k.data_ptr<int32_t>()[r],
-                        " must be >= 0 (0 disables top-k)");
+      const int64_t kv = k.data_ptr<int64_t>()[r];
+      TORCH_CHECK_VALUE(kv >= 0, "top_k[", r, "] = ", kv, " must be >= 0 (0 disables top-k)");
+      TORCH_CHECK_VALUE(kv <= INT32_MAX, "top_k[", r, "] = ", kv, " must be <= 2^31 - 1 (0 disables top-k)");
       const float pv = p.data_ptr<float>()[r];
       TORCH_CHECK_VALUE(pv > 0.0f && pv <= 1.0f, "top_p[", r, "] = ", pv, " must be in (0, 1] (1 disables top-p)");
     }
+    if (mp.defined()) {
+      const at::Tensor h = host(mp);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float v = h.data_ptr<float>()[r];
+        TORCH_CHECK_VALUE(v >= 0.0f && v <= 1.0f, "min_p[", r, "] = ", v, " must be in [0, 1] (0 disables min-p)");
+      }
+    }
   }
+  if (check_values) check_scaled_logits_finite(logits, temperature);
   at::Tensor probs = at::empty_like(logits);
-  if (rows == 0) return probs;
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    probs_from_logits_cuda(logits, temperature, top_k, top_p, probs);
-    return probs;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "logits is on ", device.str(), " but this build of specrt has no kernels for it");
-  probs_from_logits_cpu(logits, temperature, top_k, top_p, probs);
+  if (rows > 0) kernel(logits, temperature, saturate_int32(top_k), top_p, mp, probs);
   return probs;
 }
 
-std::tuple<at::Tensor, at::Tensor> verify_greedy(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
-                                                 const at::Tensor& num_draft_tokens, bool check_values) {
+std::tuple<at::Tensor, at::Tensor> verify_greedy_op(const at::Tensor& target_logits,
+                                                    const at::Tensor& draft_token_ids,
+                                                    const at::Tensor& num_draft_tokens, bool check_values,
+                                                    VerifyGreedyKernel kernel) {
   TORCH_CHECK_VALUE(target_logits.defined(), "target_logits must be a tensor, got None");
   const at::Device device = target_logits.device();
   check_tensor(target_logits, "target_logits", at::kFloat, 3, device);
@@ -134,32 +108,49 @@ std::tuple<at::Tensor, at::Tensor> verify_greedy(const at::Tensor& target_logits
   const int64_t vocab = target_logits.size(2);
   TORCH_CHECK_VALUE(k1 >= 1 && vocab >= 1, "target_logits must be [B, K+1, V] with K+1 >= 1 and V >= 1, got ",
                     shape_str(target_logits));
-  check_tensor(draft_token_ids, "draft_token_ids", at::kInt, 2, device);
-  check_tensor(num_draft_tokens, "num_draft_tokens", at::kInt, 1, device);
+  check_int_arg(draft_token_ids, "draft_token_ids", 2, device);
+  check_int_arg(num_draft_tokens, "num_draft_tokens", 1, device);
   check_size(draft_token_ids, "draft_token_ids", 0, batch, "B of target_logits");
   check_size(draft_token_ids, "draft_token_ids", 1, k1 - 1, "K = target_logits.shape[1] - 1");
   check_size(num_draft_tokens, "num_draft_tokens", 0, batch, "B of target_logits");
   if (check_values) check_draft_values(draft_token_ids, num_draft_tokens, vocab);
   at::Tensor out = at::empty({batch, k1}, target_logits.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_logits.options().dtype(at::kInt));
-  if (batch == 0) return {out, n_acc};
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    verify_greedy_cuda(target_logits, draft_token_ids, num_draft_tokens, out, n_acc);
-    return {out, n_acc};
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "target_logits is on ", device.str(), " but this build of specrt has no kernels for it");
-  verify_greedy_cpu(target_logits, draft_token_ids, num_draft_tokens, out, n_acc);
+  if (batch > 0)
+    kernel(target_logits, saturate_int32(draft_token_ids), saturate_int32(num_draft_tokens), out, n_acc);
   return {out, n_acc};
 }
 
-std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_probs,
-                                                    const std::optional<at::Tensor>& draft_probs,
-                                                    const at::Tensor& draft_token_ids,
-                                                    const at::Tensor& num_draft_tokens, const at::Tensor& seeds,
-                                                    const at::Tensor& positions, const std::string& method,
-                                                    bool check_values) {
+namespace {
+
+// With value checks: every row a request can reach (target rows 0..n_b, draft
+// rows 0..n_b-1) holds some probability; an all-zero row would silently yield
+// token 0. Run after check_draft_values, so the counts are in [0, K].
+void check_reachable_rows(const at::Tensor& target_probs, const std::optional<at::Tensor>& draft_probs,
+                          const at::Tensor& num_draft_tokens) {
+  const at::Tensor counts = wide_host(num_draft_tokens);
+  const at::Tensor p = host(target_probs);
+  const at::Tensor q = draft_probs.has_value() ? host(*draft_probs) : at::Tensor();
+  const int64_t batch = p.size(0), k1 = p.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = counts.data_ptr<int64_t>()[b];
+    for (int64_t i = 0; i <= n; ++i) {
+      TORCH_CHECK_VALUE(row_has_mass(p, b * k1 + i), "target_probs[", b, ", ", i,
+                        "] is all zero (request ", b, " can reach position ", i, ")");
+      TORCH_CHECK_VALUE(i == n || !q.defined() || row_has_mass(q, b * (k1 - 1) + i), "draft_probs[", b, ", ", i,
+                        "] is all zero, yet draft_token_ids[", b, ", ", i, "] was sampled from it");
+    }
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_probs,
+                                                       const std::optional<at::Tensor>& draft_probs,
+                                                       const at::Tensor& draft_token_ids,
+                                                       const at::Tensor& num_draft_tokens, const at::Tensor& seeds,
+                                                       const at::Tensor& positions, const std::string& method,
+                                                       bool check_values, RejectionSampleKernel kernel) {
   TORCH_CHECK_VALUE(method == "rejection" || method == "coupled", "method must be 'rejection' or 'coupled', got '",
                     method, "'");
   TORCH_CHECK_VALUE(target_probs.defined(), "target_probs must be a tensor, got None");
@@ -177,39 +168,33 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(const at::Tensor& target_pro
     check_size(*draft_probs, "draft_probs", 1, k1 - 1, "K = target_probs.shape[1] - 1");
     check_size(*draft_probs, "draft_probs", 2, vocab, "V of target_probs");
   }
-  check_tensor(draft_token_ids, "draft_token_ids", at::kInt, 2, device);
+  check_int_arg(draft_token_ids, "draft_token_ids", 2, device);
   check_size(draft_token_ids, "draft_token_ids", 0, batch, "B of target_probs");
   check_size(draft_token_ids, "draft_token_ids", 1, k1 - 1, "K = target_probs.shape[1] - 1");
-  check_tensor(num_draft_tokens, "num_draft_tokens", at::kInt, 1, device);
+  check_int_arg(num_draft_tokens, "num_draft_tokens", 1, device);
   check_size(num_draft_tokens, "num_draft_tokens", 0, batch, "B of target_probs");
   check_tensor(seeds, "seeds", at::kLong, 1, device);
   check_size(seeds, "seeds", 0, batch, "B of target_probs");
   check_tensor(positions, "positions", at::kLong, 1, device);
   check_size(positions, "positions", 0, batch, "B of target_probs");
+  const bool coupled = method == "coupled";
   if (check_values) {
     check_probs_values(target_probs, "target_probs");
-    if (draft_probs.has_value() && method == "rejection") check_probs_values(*draft_probs, "draft_probs");
+    if (draft_probs.has_value() && !coupled) check_probs_values(*draft_probs, "draft_probs");
     check_draft_values(draft_token_ids, num_draft_tokens, vocab);
     check_positions(positions);
+    check_reachable_rows(target_probs, coupled ? std::optional<at::Tensor>() : draft_probs, num_draft_tokens);
   }
-  const AcceptMethod m = method == "coupled" ? AcceptMethod::kCoupled : AcceptMethod::kRejection;
   at::Tensor out = at::empty({batch, k1}, target_probs.options().dtype(at::kInt));
   at::Tensor n_acc = at::empty({batch}, target_probs.options().dtype(at::kInt));
-  if (batch == 0) return {out, n_acc};
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    rejection_sample_cuda(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions, m, out,
-                          n_acc);
-    return {out, n_acc};
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "target_probs is on ", device.str(), " but this build of specrt has no kernels for it");
-  rejection_sample_cpu(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds, positions, m, out, n_acc);
+  if (batch > 0)
+    kernel(target_probs, draft_probs, saturate_int32(draft_token_ids), saturate_int32(num_draft_tokens), seeds,
+           positions, coupled ? AcceptMethod::kCoupled : AcceptMethod::kRejection, out, n_acc);
   return {out, n_acc};
 }
 
-at::Tensor sample_tokens(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
-                         int64_t purpose, bool check_values) {
+at::Tensor sample_tokens_op(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
+                            int64_t purpose, bool check_values, SampleTokensKernel kernel) {
   TORCH_CHECK_VALUE(purpose >= kPurposeDraft && purpose <= kPurposeTarget, "purpose must be 1..4, got ", purpose);
   TORCH_CHECK_VALUE(probs.defined(), "probs must be a tensor, got None");
   const at::Device device = probs.device();
@@ -224,30 +209,17 @@ at::Tensor sample_tokens(const at::Tensor& probs, const at::Tensor& seeds, const
   if (check_values) {
     check_probs_values(probs, "probs");
     check_positions(positions);
+    const at::Tensor h = host(probs);
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK_VALUE(row_has_mass(h, r), "probs[", r, "] is all zero: there is no token to sample");
   }
   at::Tensor tokens = at::empty({rows}, probs.options().dtype(at::kInt));
-  if (rows == 0) return tokens;
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    sample_tokens_cuda(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);
-    return tokens;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "probs is on ", device.str(), " but this build of specrt has no kernels for it");
-  sample_tokens_cpu(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);
+  if (rows > 0) kernel(probs, seeds, positions, static_cast<uint32_t>(purpose), tokens);
   return tokens;
 }
 
-void check_cache(const at::Tensor& cache, const std::string& name, const at::Device& device) {
-  TORCH_CHECK_VALUE(cache.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(cache.dim() == 6, name,
-                    " must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], got shape ", shape_str(cache));
-  TORCH_CHECK_VALUE(cache.size(1) == 2, name, " dim 1 must be 2 (keys, values), got shape ", shape_str(cache));
-  TORCH_CHECK_VALUE(cache.device() == device, name, " must be on ", device.str(), ", got ", cache.device().str());
-  TORCH_CHECK_VALUE(cache.is_contiguous(), name, " must be contiguous");
-}
-
-void copy_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block_mapping, bool check_values) {
+void copy_blocks_op(at::TensorList caches, const at::Tensor& block_mapping, bool check_values,
+                    CopyBlocksKernel kernel) {
   TORCH_CHECK_VALUE(!caches.empty(), "caches must be a non-empty list of cache tensors");
   TORCH_CHECK_VALUE(caches.size() <= 8, "caches: at most 8 caches per call, got ", caches.size());
   const at::Device device = caches[0].device();
@@ -281,22 +253,11 @@ void copy_blocks(const std::vector<at::Tensor>& caches, const at::Tensor& block_
       TORCH_CHECK_VALUE(!srcs.count(d), "block_mapping: block ", d,
                         " is both a source and a destination (the copy order would matter)");
   }
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    // H2D copy of the (small) mapping through pinned memory: asynchronous.
-    const at::Tensor mapping = block_mapping.device() == device
-                                   ? block_mapping
-                                   : block_mapping.pin_memory().to(device, /*non_blocking=*/true);
-    copy_blocks_cuda(caches, mapping);
-    return;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "caches are on ", device.str(), " but this build of specrt has no kernels for it");
-  copy_blocks_cpu(caches, block_mapping);
+  kernel(caches.vec(), block_mapping);
 }
 
-void write_kv(at::Tensor cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
-              const at::Tensor& slot_mapping, bool check_values) {
+void write_kv_op(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& slot_mapping, bool check_values, WriteKvKernel kernel) {
   TORCH_CHECK_VALUE(cache.defined(), "cache must be a tensor, got None");
   const at::Device device = cache.device();
   check_cache(cache, "cache", device);
@@ -322,14 +283,28 @@ void write_kv(at::Tensor cache, int64_t layer, const at::Tensor& k, const at::Te
       TORCH_CHECK_VALUE(s < 0 || seen.insert(s).second, "slot_mapping has duplicate slot ", s);
     }
   }
-#ifdef SPECRT_WITH_CUDA
-  if (device.is_cuda()) {
-    write_kv_cuda(cache, layer, k, v, slot_mapping);
-    return;
-  }
-#endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "cache is on ", device.str(), " but this build of specrt has no kernels for it");
-  write_kv_cpu(cache, layer, k, v, slot_mapping);
+  at::Tensor out = cache;
+  kernel(out, layer, k, v, slot_mapping);
+}
+
+namespace {
+
+// The CPU kernel with the shared header's greedy rule applied to temperature
+// first: rows with is_greedy_temperature(t) get t = 0, which the CPU kernel
+// treats as greedy (the CUDA kernel calls is_greedy_temperature itself).
+void probs_from_logits_cpu_greedy_eps(const at::Tensor& logits, const at::Tensor& temperature,
+                                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                                      at::Tensor& probs) {
+  const float* t = temperature.data_ptr<float>();
+  const int64_t rows = temperature.numel();
+  bool rewrite = false;
+  for (int64_t r = 0; r < rows; ++r) rewrite = rewrite || (t[r] != 0.0f && is_greedy_temperature(t[r]));
+  if (!rewrite) return probs_from_logits_cpu(logits, temperature, top_k, top_p, min_p, probs);
+  at::Tensor effective = temperature.clone();
+  float* e = effective.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    if (is_greedy_temperature(e[r])) e[r] = 0.0f;
+  probs_from_logits_cpu(logits, effective, top_k, top_p, min_p, probs);
 }
 
 // ---- testing hooks: the shared header's random numbers, for KAT and
@@ -343,13 +318,18 @@ std::vector<int64_t> philox(std::vector<int64_t> counter, std::vector<int64_t> k
   return {r.v[0], r.v[1], r.v[2], r.v[3]};
 }
 
-at::Tensor uniform_noise(const at::Tensor& seeds, const at::Tensor& positions, int64_t purpose,
-                         const at::Tensor& index) {
+at::Tensor uniform_noise_cpu(const at::Tensor& seeds, const at::Tensor& positions, int64_t purpose,
+                             const at::Tensor& index) {
+  TORCH_CHECK_VALUE(purpose >= kPurposeDraft && purpose <= kPurposeTarget, "purpose must be 1..4, got ", purpose);
   check_tensor(seeds, "seeds", at::kLong, 1, at::Device(at::kCPU));
   check_tensor(positions, "positions", at::kLong, 1, at::Device(at::kCPU));
   check_tensor(index, "index", at::kLong, 1, at::Device(at::kCPU));
   TORCH_CHECK_VALUE(seeds.size(0) == positions.size(0) && seeds.size(0) == index.size(0),
                     "seeds, positions and index must have the same length");
+  for (int64_t i = 0; i < index.size(0); ++i) {
+    const int64_t x = index.data_ptr<int64_t>()[i];
+    TORCH_CHECK_VALUE(x >= 0 && x <= UINT32_MAX, "index[", i, "] = ", x, " must be in [0, 2^32)");
+  }
   at::Tensor out = at::empty({seeds.size(0)}, seeds.options().dtype(at::kFloat));
   for (int64_t i = 0; i < seeds.size(0); ++i)
     out.data_ptr<float>()[i] = uniform(static_cast<uint64_t>(seeds.data_ptr<int64_t>()[i]),
@@ -358,7 +338,7 @@ at::Tensor uniform_noise(const at::Tensor& seeds, const at::Tensor& positions, i
   return out;
 }
 
-at::Tensor log_det_tensor(const at::Tensor& x) {
+at::Tensor log_det_cpu(const at::Tensor& x) {
   check_tensor(x, "x", at::kFloat, 1, at::Device(at::kCPU));
   at::Tensor out = at::empty_like(x);
   for (int64_t i = 0; i < x.numel(); ++i) out.data_ptr<float>()[i] = log_det(x.data_ptr<float>()[i]);
@@ -376,25 +356,73 @@ bool cuda_built() {
 }  // namespace
 }  // namespace specrt
 
+// Schemas: one per op; mutated arguments are marked (a!). specrt/ops.py holds
+// the documented Python wrappers and the fake (meta) kernels.
+TORCH_LIBRARY_FRAGMENT(specrt, m) {
+  m.def("probs_from_logits(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p=None, "
+        "bool check_values=True) -> Tensor");
+  m.def("verify_greedy(Tensor target_logits, Tensor draft_token_ids, Tensor num_draft_tokens, "
+        "bool check_values=True) -> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def("rejection_sample(Tensor target_probs, Tensor? draft_probs, Tensor draft_token_ids, "
+        "Tensor num_draft_tokens, Tensor seeds, Tensor positions, str method=\"rejection\", "
+        "bool check_values=True) -> (Tensor output_token_ids, Tensor num_accepted)");
+  m.def("sample_tokens(Tensor probs, Tensor seeds, Tensor positions, int purpose=4, "
+        "bool check_values=True) -> Tensor");
+  m.def("copy_blocks(Tensor(a!)[] caches, Tensor block_mapping, bool check_values=True) -> ()");
+  m.def("write_kv(Tensor(a!) cache, int layer, Tensor k, Tensor v, Tensor slot_mapping, "
+        "bool check_values=True) -> ()");
+  m.def("uniform_noise(Tensor seeds, Tensor positions, int purpose, Tensor index) -> Tensor");
+  m.def("log_det(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specrt, CPU, m) {
+  using at::Tensor;
+  using specrt::AcceptMethod;
+  m.impl("probs_from_logits", [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
+                                 const Tensor& top_p, const std::optional<Tensor>& min_p, bool check) {
+    return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, min_p, check,
+                                        &specrt::probs_from_logits_cpu_greedy_eps);
+  });
+  m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
+                             const Tensor& num_draft_tokens, bool check) {
+    return specrt::verify_greedy_op(target_logits, draft_token_ids, num_draft_tokens, check,
+                                    &specrt::verify_greedy_cpu);
+  });
+  m.impl("rejection_sample",
+         [](const Tensor& target_probs, const std::optional<Tensor>& draft_probs, const Tensor& draft_token_ids,
+            const Tensor& num_draft_tokens, const Tensor& seeds, const Tensor& positions, std::string method,
+            bool check) {
+           return specrt::rejection_sample_op(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds,
+                                              positions, method, check, &specrt::rejection_sample_cpu);
+         });
+  m.impl("sample_tokens",
+         [](const Tensor& probs, const Tensor& seeds, const Tensor& positions, int64_t purpose, bool check) {
+           return specrt::sample_tokens_op(probs, seeds, positions, purpose, check, &specrt::sample_tokens_cpu);
+         });
+  m.impl("copy_blocks", [](at::TensorList caches, const Tensor& block_mapping, bool check) {
+    specrt::copy_blocks_op(caches, block_mapping, check, &specrt::copy_blocks_cpu);
+  });
+  m.impl("write_kv", [](const Tensor& cache, int64_t layer, const Tensor& k, const Tensor& v,
+                        const Tensor& slot_mapping, bool check) {
+    specrt::write_kv_op(cache, layer, k, v, slot_mapping, check, &specrt::write_kv_cpu);
+  });
+  m.impl("uniform_noise", &specrt::uniform_noise_cpu);
+  m.impl("log_det", &specrt::log_det_cpu);
+}
+
+// Sampling is not differentiable: outputs never require grad, whatever the
+// inputs (the mutating KV ops keep the default fallback, which tracks versions).
+TORCH_LIBRARY_IMPL(specrt, Autograd, m) {
+  for (const char* op : {"probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "uniform_noise",
+                         "log_det"})
+    m.impl(op, torch::CppFunction::makeFallthrough());
+}
+
+// Not tensor ops: build facts and the Philox known-answer hook. Importing this
+// module loads the library above (specrt/ops.py is its only importer).
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
-  m.doc() = "specrt compiled kernels; use specrt.ops, not this module";
-  m.def("probs_from_logits", &specrt::probs_from_logits, py::arg("logits"), py::arg("temperature"), py::arg("top_k"),
-        py::arg("top_p"), py::arg("check_values") = true);
-  m.def("verify_greedy", &specrt::verify_greedy, py::arg("target_logits"), py::arg("draft_token_ids"),
-        py::arg("num_draft_tokens"), py::arg("check_values") = true);
-  m.def("rejection_sample", &specrt::rejection_sample, py::arg("target_probs"), py::arg("draft_probs"),
-        py::arg("draft_token_ids"), py::arg("num_draft_tokens"), py::arg("seeds"), py::arg("positions"),
-        py::arg("method") = "rejection", py::arg("check_values") = true);
-  m.def("sample_tokens", &specrt::sample_tokens, py::arg("probs"), py::arg("seeds"), py::arg("positions"),
-        py::arg("purpose") = static_cast<int64_t>(specrt::kPurposeTarget), py::arg("check_values") = true);
-  m.def("copy_blocks", &specrt::copy_blocks, py::arg("caches"), py::arg("block_mapping"),
-        py::arg("check_values") = true);
-  m.def("write_kv", &specrt::write_kv, py::arg("cache"), py::arg("layer"), py::arg("k"), py::arg("v"),
-        py::arg("slot_mapping"), py::arg("check_values") = true);
+  m.doc() = "specrt compiled kernels (registered as torch.ops.specrt.*); use specrt.ops, not this module";
   m.def("philox4x32_10", &specrt::philox, py::arg("counter"), py::arg("key"));
-  m.def("uniform", &specrt::uniform_noise, py::arg("seeds"), py::arg("positions"), py::arg("purpose"),
-        py::arg("index"));
-  m.def("log_det", &specrt::log_det_tensor, py::arg("x"));
   m.def("cuda_built", &specrt::cuda_built);
 }

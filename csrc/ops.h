@@ -1,19 +1,24 @@
-// csrc/ops.h — the kernel entry points behind specrt._C.
+// csrc/ops.h — the kernel entry points behind the specrt:: torch ops, and the
+// op bodies that validate arguments before calling them.
 //
-// csrc/bindings.cpp validates every argument (shape, dtype, device,
-// contiguity, batch sizes) and then calls the *_cpu or *_cuda function below.
-// The implementations may therefore assume:
+// Each registered op (CPU impls in csrc/bindings.cpp, CUDA impls in
+// csrc/cuda/*.cu) is its op body below with that backend's kernel: the body
+// validates every argument (shape, dtype, device, contiguity, batch sizes,
+// values when asked), allocates the outputs and calls the *_cpu or *_cuda
+// function. The kernels may therefore assume:
 //   - all tensors are contiguous and on the same device,
 //   - probabilities/logits are float32, token ids int32, counts int32,
 //     seeds/positions int64, block mappings / slot mappings int64,
 //   - shapes are mutually consistent (B, K, V as in DESIGN.md section 2).
-// Outputs are allocated by the caller (bindings.cpp) and passed in, so the
-// CPU and CUDA paths share one allocation policy.
+// Outputs are allocated by the op body and passed in, so the CPU and CUDA
+// paths share one allocation policy.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
+#include <tuple>
 #include <vector>
 
 namespace specrt {
@@ -22,9 +27,11 @@ namespace specrt {
 enum class AcceptMethod : int { kRejection = 0, kCoupled = 1 };
 
 // ---- CPU (csrc/cpu) ---------------------------------------------------------
-// probs[N,V] f32 <- logits[N,V] f32; temperature[N] f32, top_k[N] i32, top_p[N] f32
+// probs[N,V] f32 <- logits[N,V] f32; temperature[N] f32, top_k[N] i32, top_p[N] f32,
+// min_p[N] f32 or an undefined tensor (no min-p)
 void probs_from_logits_cpu(const at::Tensor& logits, const at::Tensor& temperature,
-                           const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& probs);
+                           const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                           at::Tensor& probs);
 // output_token_ids[B,K+1] i32 (pre-filled by the kernel, -1 padded), num_accepted[B] i32
 void verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
                        const at::Tensor& num_draft_tokens, at::Tensor& output_token_ids,
@@ -49,7 +56,8 @@ void write_kv_cpu(at::Tensor& cache, int64_t layer, const at::Tensor& k, const a
 // Same contracts. No host synchronisation; launched on the current stream;
 // every launch checked with C10_CUDA_KERNEL_LAUNCH_CHECK().
 void probs_from_logits_cuda(const at::Tensor& logits, const at::Tensor& temperature,
-                            const at::Tensor& top_k, const at::Tensor& top_p, at::Tensor& probs);
+                            const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                            at::Tensor& probs);
 void verify_greedy_cuda(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
                         const at::Tensor& num_draft_tokens, at::Tensor& output_token_ids,
                         at::Tensor& num_accepted);
@@ -59,11 +67,49 @@ void rejection_sample_cuda(const at::Tensor& target_probs, const std::optional<a
                            at::Tensor& output_token_ids, at::Tensor& num_accepted);
 void sample_tokens_cuda(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
                         uint32_t purpose, at::Tensor& tokens);
-// block_mapping is a device tensor here (bindings.cpp validated it on the host
-// before copying it over, or the caller opted out of validation).
+// block_mapping is a device tensor here (the op body validated it on the host
+// before it was copied over, or the caller opted out of validation).
 void copy_blocks_cuda(const std::vector<at::Tensor>& caches, const at::Tensor& block_mapping);
 void write_kv_cuda(at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& slot_mapping);
 #endif
+
+// ---- op bodies (csrc/bindings.cpp) -----------------------------------------
+// Kernel types: the *_cpu and *_cuda functions above (or a backend wrapper).
+using ProbsFromLogitsKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, at::Tensor&);
+using VerifyGreedyKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                    at::Tensor&);
+using RejectionSampleKernel = void (*)(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, AcceptMethod,
+                                       at::Tensor&, at::Tensor&);
+using SampleTokensKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, uint32_t,
+                                    at::Tensor&);
+using CopyBlocksKernel = void (*)(const std::vector<at::Tensor>&, const at::Tensor&);
+using WriteKvKernel = void (*)(at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
+// Schemas and argument meaning: csrc/bindings.cpp and specrt/ops.py.
+at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                                const at::Tensor& top_p, const std::optional<at::Tensor>& min_p, bool check_values,
+                                ProbsFromLogitsKernel kernel);
+std::tuple<at::Tensor, at::Tensor> verify_greedy_op(const at::Tensor& target_logits,
+                                                    const at::Tensor& draft_token_ids,
+                                                    const at::Tensor& num_draft_tokens, bool check_values,
+                                                    VerifyGreedyKernel kernel);
+std::tuple<at::Tensor, at::Tensor> rejection_sample_op(const at::Tensor& target_probs,
+                                                       const std::optional<at::Tensor>& draft_probs,
+                                                       const at::Tensor& draft_token_ids,
+                                                       const at::Tensor& num_draft_tokens, const at::Tensor& seeds,
+                                                       const at::Tensor& positions, const std::string& method,
+                                                       bool check_values, RejectionSampleKernel kernel);
+at::Tensor sample_tokens_op(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
+                            int64_t purpose, bool check_values, SampleTokensKernel kernel);
+// The mapping's values are validated on the host when check_values is set or
+// when the mapping is on the CPU while the caches are not (free: no sync); a
+// CPU mapping for device caches reaches the kernel still on the CPU.
+void copy_blocks_op(at::TensorList caches, const at::Tensor& block_mapping, bool check_values,
+                    CopyBlocksKernel kernel);
+void write_kv_op(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& slot_mapping, bool check_values, WriteKvKernel kernel);
 
 }  // namespace specrt

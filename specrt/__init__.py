@@ -13,10 +13,10 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "specrt.engine",
+    "LLM": "specrt.llm",
     "SpecConfig": "specrt.config",
     "SamplingParams": "specrt.config",
-    "RequestOutput": "specrt.engine",
+    "RequestOutput": "specrt.scheduler",
     "LLMEngine": "specrt.engine",
 }
 

@@ -1,9 +1,10 @@
-"""`specrt demo | serve | bench | distill | train` — the command line.
+"""`specrt demo | serve | bench | distill | train | convert` — the command line.
 
     specrt demo                       # built-in pair: autoregressive vs speculative, same run
     specrt serve --target-model builtin --draft-model builtin --speculative-decoding
-    specrt bench --quick [--out DIR]  # end-to-end benchmark report
+    specrt bench --quick [--out DIR]  # end-to-end benchmark report (a source checkout: bench/)
     specrt distill ...                # draft-model tools (layer-init, distillation, acceptance head)
+    specrt convert model.gguf OUT_DIR # a GGUF file (or smollm2-135m) as a Hugging Face folder
 """
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ def demo(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="fixed", choices=["fixed", "confidence", "head", "budget"])
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--target-quantize", default=None, choices=["int8", "q8_0", "q4_0", "q4_1"],
+                   help="weight-only quantized target (every mode, autoregressive included)")
+    p.add_argument("--draft-quantize", default=None, choices=["int8", "q8_0", "q4_0", "q4_1"],
+                   help="weight-only quantized draft model (model drafters only)")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (default: the target's)")
     args = p.parse_args(argv)
 
     import torch
@@ -67,12 +74,17 @@ def demo(argv: list[str] | None = None) -> int:
           f"{len(texts)} held-out code prompts, {args.max_tokens} tokens each, batch 1, "
           f"median of {args.repeats} alternating runs", flush=True)
     engines = {"autoregressive": specrt.LLM(target=args.target, draft=None, device=args.device,
-                                            spec=specrt.SpecConfig(max_batch_size=1))}
+                                            spec=specrt.SpecConfig(max_batch_size=1),
+                                            target_quantize=args.target_quantize)}
     for d in drafts:
+        model_draft = not d.startswith(("ngram", "self:"))
         engines[f"speculative ({d})"] = specrt.LLM(
             target=args.target, draft=d, device=args.device,
             spec=specrt.SpecConfig(max_draft_length=args.draft_length, acceptance=args.acceptance,
-                                   policy=args.policy, max_batch_size=1))
+                                   policy=args.policy, max_batch_size=1),
+            target_quantize=args.target_quantize,
+            draft_quantize=args.draft_quantize if model_draft else None,
+            draft_dtype=args.draft_dtype if model_draft else None)
     for llm in engines.values():
         llm.warmup(2, 8)
     times: dict[str, list[float]] = {k: [] for k in engines}
@@ -109,14 +121,63 @@ def demo(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def convert(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specrt convert", description="Write a GGUF model as a Hugging Face folder "
+                                "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the "
+                                "chat template, generation_config.json) that specrt and transformers load.")
+    p.add_argument("source", help="a .gguf file, or a model name such as smollm2-135m")
+    p.add_argument("out_dir", help="output folder (created)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (float32 keeps the dequantized values exactly)")
+    p.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from specrt.models import convert_gguf, is_gguf, resolve_model
+
+    try:
+        src = resolve_model(args.source, "target")
+        if not is_gguf(src):
+            raise ValueError(f"{src} is not a GGUF file (it is already a model folder)")
+        t0 = time.perf_counter()
+        out = convert_gguf(src, args.out_dir, getattr(torch, args.dtype), overwrite=args.overwrite)
+    except ValueError as e:
+        print(f"specrt convert: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.dtype}) from {src} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def bench(argv: list[str]) -> int:
+    """`specrt bench` runs the repository's bench/ package, which is not part of the installed
+    runtime: found beside this specrt source tree, or on sys.path (`python -m bench` from the root)."""
+    import importlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if (root / "bench" / "cli.py").is_file() and str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        bench_cli = importlib.import_module("bench.cli")   # the one upward import: bench sits above specrt
+    except ModuleNotFoundError as e:
+        if e.name not in ("bench", "bench.cli"):
+            raise
+        print("specrt bench runs from a source checkout of specrt (the repository's bench/ package). "
+              f"From the repository root: python -m bench {' '.join(argv)}".rstrip(), file=sys.stderr)
+        return 2
+    return bench_cli.main(argv, prog="specrt bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "demo": demo,
         "serve": lambda a: __import__("specrt.server", fromlist=["main"]).main(a),
-        "bench": lambda a: __import__("specrt.benchmarks", fromlist=["main"]).main(a),
+        "bench": bench,
         "distill": lambda a: __import__("specrt.training.distill", fromlist=["main"]).main(a),
         "train": lambda a: __import__("specrt.training.recipe", fromlist=["main"]).main(a),
+        "convert": convert,
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())

@@ -8,7 +8,7 @@
 
 ``TPEngine`` runs rank 0 in this process and spawns ranks 1..N-1 itself (torch.multiprocessing
 "spawn", rendezvous on 127.0.0.1 and a free port; no external launcher). Every rank owns a
-``_ShardedEngine`` — an LLMEngine whose ``_load_model`` shards the TARGET over the N ranks
+``RankEngine`` — an LLMEngine whose model loader hook shards the TARGET over the N ranks
 (specrt.models.tp: column/row-parallel linears, vocabulary-parallel embedding and head, the
 logit shards all-gathered so every rank holds the full logits) and gives it a per-rank KV
 cache (this rank's kv heads only). The DRAFT model is replicated on every rank (it is small:
@@ -51,8 +51,10 @@ import torch
 import torch.distributed as dist
 
 from specrt.config import SpecConfig
-from specrt.engine import LLMEngine, resolve_model_path
-from specrt.kv_cache import AttentionMetadata, PagedKVCache, allocate_kv_cache
+from specrt.engine import LLMEngine
+from specrt.loading import resolve_model_path
+from specrt.attention import AttentionMetadata
+from specrt.kv_cache import allocate_kv_cache
 from specrt.models import ModelConfig, load_model
 from specrt.models.tp import check_tp_divisible, shard_model_
 
@@ -62,14 +64,15 @@ _IDLE_TIMEOUT = datetime.timedelta(days=365)   # workers wait for the next step 
 
 
 def create_engine(target, draft=None, spec: SpecConfig | None = None, device=None, dtype=None,
-                  seed: int | None = None, tensor_parallel_size: int = 1, **tp_options):
-    """An LLMEngine when ``tensor_parallel_size == 1`` (no processes, no cost), else a TPEngine."""
+                  seed: int | None = None, tensor_parallel_size: int = 1, **options):
+    """An LLMEngine when ``tensor_parallel_size == 1`` (no processes, no cost; ``options`` are its
+    keyword hooks), else a TPEngine (``options``: timeout_s, num_threads)."""
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
     if tensor_parallel_size == 1:
-        return LLMEngine(target, draft, spec, device, dtype, seed)
+        return LLMEngine(target, draft, spec, device, dtype, seed, **options)
     return TPEngine(target, draft, spec, device, dtype, seed, tensor_parallel_size=tensor_parallel_size,
-                    **tp_options)
+                    **options)
 
 
 def _rank_device(device, rank: int) -> torch.device:
@@ -79,41 +82,36 @@ def _rank_device(device, rank: int) -> torch.device:
     return device
 
 
-class _ShardedEngine(LLMEngine):
-    """LLMEngine of one rank: the target sharded for (rank, world_size), the draft replicated."""
+@dataclasses.dataclass
+class RankEngine:
+    """One rank's LLMEngine (the target sharded for (tp_rank, tp_size), the draft replicated)."""
 
-    def __init__(self, target, draft, spec, device, dtype, seed, *, tp_rank: int, tp_size: int, ctrl_group):
-        self.tp_rank, self.tp_size, self._ctrl = tp_rank, tp_size, ctrl_group
-        self._target_path = resolve_model_path(target, "target")
-        self._target_loaded = False
-        super().__init__(target, draft, spec, device, dtype, seed)
+    engine: LLMEngine
+    tp_rank: int
+    tp_size: int
+    ctrl: object            # the gloo group the control messages use
 
-    def _load_model(self, path: Path, dtype):
-        if self._target_loaded or Path(path) != self._target_path:
-            return super()._load_model(path, dtype)     # the draft: replicated
-        self._target_loaded = True
-        # reads only this rank's slices of the checkpoint (host and device memory ~ 1/N of the target)
-        return load_model(path, dtype=dtype, device=self.device, tp=(self.tp_rank, self.tp_size, None))
+    @staticmethod
+    def build(target, draft, spec, device, dtype, seed, *, tp_rank: int, tp_size: int, ctrl_group) -> "RankEngine":
+        def load(path, role, dtype, device):
+            # the target reads only this rank's slices of the checkpoint (memory ~ 1/N); the draft is replicated
+            return load_model(path, dtype=dtype, device=device, tp=(tp_rank, tp_size, None) if role == "target" else None)
+
+        def rank0_ks(ks: list[int]) -> list[int]:   # K from per-rank timings: every rank uses rank 0's
+            obj = [ks if tp_rank == 0 else None]
+            dist.broadcast_object_list(obj, src=0, group=ctrl_group)
+            return obj[0]
+        spec = spec or SpecConfig()
+        engine = LLMEngine(target, draft, spec, device, dtype, seed, model_loader=load,
+                           agree_ks=rank0_ks if spec.policy == "budget" else None)
+        return RankEngine(engine, tp_rank, tp_size, ctrl_group)
 
     def agree_num_blocks(self) -> None:
         """Every rank must allocate (and so preempt) identically: use the minimum block count."""
-        n = torch.tensor([self.kv.manager.num_blocks], dtype=torch.int64)
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self._ctrl)
-        n = int(n)
-        if n != self.kv.manager.num_blocks:
-            configs = {"target": self.target.config}
-            if self.draft_model is not None:
-                configs["draft"] = self.draft_model.config
-            self.kv = PagedKVCache(configs, n, self.spec.block_size, self.target.dtype, self.device,
-                                   enable_prefix_sharing=self.spec.prefix_sharing)
-
-    def _plan(self, batch):
-        ks = super()._plan(batch)
-        if self.spec.policy == "budget" and self.speculative:   # K from per-rank timings: use rank 0's
-            obj = [ks if self.tp_rank == 0 else None]
-            dist.broadcast_object_list(obj, src=0, group=self._ctrl)
-            ks = obj[0]
-        return ks
+        n = torch.tensor([self.engine.kv.num_blocks], dtype=torch.int64)
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.ctrl)
+        if int(n) != self.engine.kv.num_blocks:
+            self.engine.resize_kv_cache(int(n))
 
 
 def _digest(outs) -> int:
@@ -132,19 +130,20 @@ def prefill_logits(model, token_ids: list[int], block_size: int = 16) -> torch.T
     return logits.cpu()
 
 
-def _calibrate(engine: _ShardedEngine, args: tuple, kwargs: dict) -> None:
-    engine.calibrate(*args, **kwargs)
+def _calibrate(rank: RankEngine, args: tuple, kwargs: dict) -> None:
+    rank.engine.calibrate(*args, **kwargs)
 
 
-def _probe_forward(engine: _ShardedEngine, token_ids: list[int], model_path=None) -> torch.Tensor:
+def _probe_forward(rank: RankEngine, token_ids: list[int], model_path=None) -> torch.Tensor:
     """Full logits of a prefill through the sharded target (or through ``model_path`` loaded and
     sharded the same way on every rank: a test of the sharding itself)."""
+    engine = rank.engine
     model = engine.target
     if model_path is not None:
-        if engine.tp_rank == 0:   # also the post-hoc path: full load, then shard_model_ in place
-            model = shard_model_(load_model(model_path, device=engine.device), 0, engine.tp_size)
+        if rank.tp_rank == 0:   # also the post-hoc path: full load, then shard_model_ in place
+            model = shard_model_(load_model(model_path, device=engine.device), 0, rank.tp_size)
         else:
-            model = load_model(model_path, device=engine.device, tp=(engine.tp_rank, engine.tp_size, None))
+            model = load_model(model_path, device=engine.device, tp=(rank.tp_rank, rank.tp_size, None))
     return prefill_logits(model, token_ids, engine.spec.block_size)
 
 
@@ -177,15 +176,16 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, tim
         device = _rank_device(device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        engine = _ShardedEngine(target, draft, spec, device, dtype, seed, tp_rank=rank, tp_size=world_size,
-                                ctrl_group=ctrl)
+        rank_engine = RankEngine.build(target, draft, spec, device, dtype, seed, tp_rank=rank, tp_size=world_size,
+                                       ctrl_group=ctrl)
+        engine = rank_engine.engine
     except BaseException:  # noqa: BLE001 - report any start-up failure to the driver
         conn.send(("error", traceback.format_exc()))
         conn.close()
         os._exit(1)
     conn.send(("ready", None))
     try:
-        engine.agree_num_blocks()
+        rank_engine.agree_num_blocks()
         last = None
         while True:
             obj = [None]
@@ -202,7 +202,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, tim
                 last = _digest(engine.step())
             elif cmd[0] == "call":
                 _, fn, args = cmd
-                fn(engine, *args)
+                fn(rank_engine, *args)
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - die loudly: the peers' collectives then fail instead of hanging
         sys.stderr.write(f"[specrt tp rank {rank}] {traceback.format_exc()}")
@@ -274,10 +274,11 @@ class TPEngine:
             self._ctrl = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
-            self._engine = _ShardedEngine(target, draft, spec, dev, dtype, seed, tp_rank=0, tp_size=N,
+            self._rank = RankEngine.build(target, draft, spec, dev, dtype, seed, tp_rank=0, tp_size=N,
                                           ctrl_group=self._ctrl)
+            self._engine = self._rank.engine
             self._expect("ready", timeout_s)
-            self._engine.agree_num_blocks()
+            self._rank.agree_num_blocks()
         except BaseException:
             self._broken = "start-up failed"
             self.close()
@@ -329,12 +330,18 @@ class TPEngine:
 
     # ------------------------------------------------------------------ LLMEngine interface
     def add_request(self, prompt, params=None, request_id: str | None = None, tag: str = "default") -> str:
+        return self.add_requests([prompt], [params], [tag], [request_id])[0]
+
+    def add_requests(self, prompts, params, tags=None, request_ids=None) -> list[str]:
+        """LLMEngine.add_requests: all validated on rank 0 before any is queued, then replayed."""
         with self._lock:
             self._check()
-            rid = self._engine.add_request(prompt, params, request_id=request_id, tag=tag)
-            req = self._engine.scheduler.requests[rid]
-            self._ops.append(("add", prompt, dataclasses.replace(req.params, seed=req.seed), rid, tag))
-            return rid
+            rids = self._engine.add_requests(prompts, params, tags, request_ids)
+            for rid in rids:
+                req = self._engine.scheduler.requests[rid]
+                self._ops.append(("add", req.prompt if req.prompt is not None else req.prompt_token_ids,
+                                  dataclasses.replace(req.params, seed=req.seed), rid, req.tag))
+            return rids
 
     def abort_request(self, request_id: str) -> None:
         with self._lock:
@@ -377,13 +384,13 @@ class TPEngine:
 
     # ------------------------------------------------------------------ extras
     def run_on_all_ranks(self, fn, *args):
-        """Run the picklable ``fn(rank_engine, *args)`` on every rank (it may use collectives);
+        """Run the picklable ``fn(rank: RankEngine, *args)`` on every rank (it may use collectives);
         returns rank 0's result."""
         with self._lock:
             self._check()
             self._broadcast(("call", fn, args))
             try:
-                return fn(self._engine, *args)
+                return fn(self._rank, *args)
             except BaseException as e:
                 self._fail(e)
                 raise

@@ -8,7 +8,7 @@ One cache tensor per model: ``[layers, 2, num_blocks, block_size, kv_heads, head
 ``KVCacheManager`` does the bookkeeping only (no tensors). One block table per request
 serves the target AND the draft cache (same token positions), so one rollback or fork
 covers both; block copies it asks for must be applied to ALL caches at once
-(``PagedKVCache.apply_copies`` does that with a single ``ops.copy_blocks``).
+(``PagedKVCache`` does that with a single ``copy_blocks``).
 
 Prefix sharing: ``commit`` registers each full block of final tokens under a chained
 hash of the tokens (sha256 of the parent block's hash + the block's token ids);
@@ -20,178 +20,19 @@ before ``commit`` registers them.
 from __future__ import annotations
 
 import hashlib
+import math
+import mmap
 import os
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import Hashable
 
 import torch
 
-if TYPE_CHECKING:  # models/ sits above kv_cache in the layer order: no runtime import
-    from specrt.models.config import ModelConfig
-
-try:  # the compiled kernels (specrt.ops is the only importer of specrt._C)
-    from specrt import ops as _ops
-    if not (hasattr(_ops, "write_kv") and hasattr(_ops, "copy_blocks")):
-        _ops = None
-except Exception:  # noqa: BLE001 - not built yet / import error: use the pure-torch fallback below
-    _ops = None
-
-
-# ----------------------------------------------------------------------------- kernels (with fallback)
-def _write_kv_torch(cache, layer, k, v, slot_mapping):
-    num_blocks, block_size = cache.shape[2], cache.shape[3]
-    flat_k = cache[layer, 0].view(num_blocks * block_size, *cache.shape[4:])
-    flat_v = cache[layer, 1].view(num_blocks * block_size, *cache.shape[4:])
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]  # boolean indexing syncs; fallback path only
-    flat_k[slots] = k[valid].to(cache.dtype)
-    flat_v[slots] = v[valid].to(cache.dtype)
-
-
-def _copy_blocks_torch(caches, block_mapping):
-    if block_mapping.numel() == 0:
-        return
-    src, dst = block_mapping[:, 0], block_mapping[:, 1]
-    for cache in caches:
-        cache[:, :, dst] = cache[:, :, src]
-
-
-def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k/v [T, kv_heads, D] into ``cache[layer]`` at ``slot_mapping`` [T] (-1 = skip)."""
-    if _ops is not None:
-        _ops.write_kv(cache, layer, k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(), slot_mapping)
-    else:
-        _write_kv_torch(cache, layer, k, v, slot_mapping)
-
-
-def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Copy whole blocks ``block_mapping[:, 0] -> block_mapping[:, 1]`` in every layer of every cache."""
-    if block_mapping.numel() == 0:
-        return
-    if _ops is not None:
-        _ops.copy_blocks(caches, block_mapping)
-    else:
-        _copy_blocks_torch(caches, block_mapping)
-
-
-# ----------------------------------------------------------------------------- attention metadata
-def _dedupe_shared_slots(slots: list[int], token_ids: list[int]) -> None:
-    """In place: later rows that write an already-written slot with the same token get -1."""
-    if len(token_ids) != len(slots):
-        raise ValueError(f"token_ids has {len(token_ids)} entries, the batch has {len(slots)} new tokens")
-    if len(set(slots)) == len(slots):
-        return
-    first: dict[int, int] = {}
-    for i, s in enumerate(slots):
-        j = first.setdefault(s, i)
-        if j != i:
-            if int(token_ids[j]) != int(token_ids[i]):
-                raise ValueError(f"slot {s} is shared by rows {j} and {i} with different tokens "
-                                 f"({token_ids[j]} != {token_ids[i]}): a shared block must not be rewritten")
-            slots[i] = -1
-
-
-@dataclass
-class AttentionMetadata:
-    """One forward call over a mixed batch of B requests, T new tokens in all.
-
-    Request b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of the
-    flattened batch; they sit at positions ``seq_lens[b] - query_lens[b] .. seq_lens[b] - 1``.
-    """
-    query_start_loc: torch.Tensor  # [B+1] int64 cumulative query lengths
-    seq_lens: torch.Tensor         # [B] int64 context length INCLUDING this call's new tokens
-    block_tables: torch.Tensor     # [B, max_blocks] int32, -1 padded
-    slot_mapping: torch.Tensor     # [T] int64 slot of each new token (-1 = padding, not written)
-    query_lens_host: list[int]     # [B] host copy: the torch attention path never syncs
-    seq_lens_host: list[int]       # [B] host copy
-    block_size: int
-    query_lens: torch.Tensor | None = None         # [B] int64
-    token_request_ids: torch.Tensor | None = None  # [T] int64 request index of each row
-    token_query_idx: torch.Tensor | None = None    # [T] int64 index of each row within its request
-    scratch: dict = field(default_factory=dict, repr=False)  # per-call cache (attention masks), reused across layers
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.seq_lens_host)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens_host)
-
-    @staticmethod
-    def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device=None, max_model_len: int | None = None,
-              token_ids: list[int] | None = None) -> "AttentionMetadata":
-        """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
-
-        ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
-        Raises ValueError on inconsistent lengths, too-short block tables, or a request longer
-        than ``max_model_len`` (when given).
-
-        ``token_ids`` (the host token of every row; pass it when rows may recompute a shared
-        block, e.g. several requests catching up a lagging cache over the same target-only
-        prefix): a slot that several rows map to is written by the first only (-1 for the
-        others: the same token at the same position of the same prefix has the same KV); rows
-        that share a slot with different tokens raise ValueError. Without it every slot must
-        be distinct (write_kv refuses duplicates).
-        """
-        B = len(seq_lens)
-        if len(query_lens) != B or len(block_tables) != B:
-            raise ValueError(f"seq_lens ({B}), query_lens ({len(query_lens)}) and block_tables "
-                             f"({len(block_tables)}) must have one entry per request")
-        if B == 0:
-            raise ValueError("AttentionMetadata.build: empty batch")
-        slots: list[int] = []
-        req_ids: list[int] = []
-        q_idx: list[int] = []
-        for b, (s, q, bt) in enumerate(zip(seq_lens, query_lens, block_tables)):
-            if q < 1 or q > s:
-                raise ValueError(f"request {b}: query_len={q} must be in [1, seq_len={s}]")
-            if max_model_len is not None and s > max_model_len:
-                raise ValueError(f"request {b}: {s} tokens exceed the model's context of {max_model_len} tokens")
-            need = -(-s // block_size)
-            if len(bt) < need or any(x < 0 for x in bt[:need]):
-                raise ValueError(f"request {b}: block table has {len(bt)} blocks ({bt[:need]}), "
-                                 f"{need} needed for {s} tokens with block_size={block_size}")
-            for p in range(s - q, s):
-                slots.append(bt[p // block_size] * block_size + p % block_size)
-            req_ids.extend([b] * q)
-            q_idx.extend(range(q))
-        if token_ids is not None:
-            _dedupe_shared_slots(slots, token_ids)
-        max_blocks = max(len(bt) for bt in block_tables)
-        bt_pad = [list(bt) + [-1] * (max_blocks - len(bt)) for bt in block_tables]
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
-
-        def t(x, dtype):  # host -> device copies only, never device -> host
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
-
-        return AttentionMetadata(
-            query_start_loc=t(qsl, torch.int64),
-            seq_lens=t(list(seq_lens), torch.int64),
-            block_tables=t(bt_pad, torch.int32).view(B, max_blocks),
-            slot_mapping=t(slots, torch.int64),
-            query_lens_host=[int(q) for q in query_lens],
-            seq_lens_host=[int(s) for s in seq_lens],
-            block_size=block_size,
-            query_lens=t(list(query_lens), torch.int64),
-            token_request_ids=t(req_ids, torch.int64),
-            token_query_idx=t(q_idx, torch.int64),
-        )
-
-    def ensure_derived(self) -> None:
-        """Fill the derived per-token index tensors if the metadata was constructed by hand."""
-        if self.token_request_ids is None:
-            dev = self.seq_lens.device
-            self.query_lens = torch.tensor(self.query_lens_host, dtype=torch.int64).to(dev)
-            self.token_request_ids = torch.tensor(
-                [b for b, q in enumerate(self.query_lens_host) for _ in range(q)], dtype=torch.int64).to(dev)
-            self.token_query_idx = torch.tensor(
-                [i for q in self.query_lens_host for i in range(q)], dtype=torch.int64).to(dev)
+from specrt.attention import AttentionMetadata, copy_blocks
+from specrt.models.config import ModelConfig
+from specrt.models.loader import resolve_dtype
 
 
 # ----------------------------------------------------------------------------- block manager
@@ -483,16 +324,31 @@ class KVCacheManager:
 
 
 # ----------------------------------------------------------------------------- tensors
-def allocate_kv_cache(config: "ModelConfig", num_blocks: int, block_size: int, dtype, device,
+def as_dtype(dtype) -> torch.dtype:
+    """A torch dtype, or its name ("float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto" or not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a torch dtype or one of float32, bfloat16, float16, got {dtype!r}")
+    return resolve_dtype(dtype, None)
+
+
+def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype, device,
                       num_layers: int | None = None) -> torch.Tensor:
-    """Zeroed cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    """Zeroed cache ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``. On the CPU its
+    pages come zeroed from the OS (an anonymous mapping) and are committed when first written:
+    even a cache sized for the worst case is built at once and costs memory for the blocks in use."""
     layers = config.num_layers if num_layers is None else num_layers
-    return torch.zeros(layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                       dtype=dtype, device=device)
+    dtype = as_dtype(dtype)
+    shape = (layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type == "cpu" and nbytes > 0:
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def kv_bytes_per_block(configs: list["ModelConfig"], block_size: int, dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_block(configs: list[ModelConfig], block_size: int, dtype) -> int:
+    elem = torch.empty((), dtype=as_dtype(dtype)).element_size()
     return sum(c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * elem for c in configs)
 
 
@@ -511,7 +367,7 @@ def _available_memory(device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_blocks_for_budget(configs: list["ModelConfig"], block_size: int, dtype, budget: int | float, device) -> int:
+def num_blocks_for_budget(configs: list[ModelConfig], block_size: int, dtype, budget: int | float, device) -> int:
     """How many blocks fit a budget: bytes (int) or a fraction in (0, 1] (float) of the free memory
     of ``device`` (CUDA: ``mem_get_info``; CPU: MemAvailable). Every block holds all ``configs``'
     layers (target + draft share block ids). Raises ValueError if not even one block fits."""
@@ -528,13 +384,24 @@ def num_blocks_for_budget(configs: list["ModelConfig"], block_size: int, dtype, 
     return n
 
 
+def kv_cache_blocks(configs: list[ModelConfig], spec, dtype, device, max_model_len: int) -> int:
+    """The engine's block count: ``spec.kv_cache_budget`` of the device's free memory (or bytes).
+    On a CPU a budget fraction is capped at what the workload can use: max_batch_size requests
+    at max_model_len (+2 blocks each for drafts and a partial block) and a margin of 64 blocks."""
+    num_blocks = num_blocks_for_budget(configs, spec.block_size, dtype, spec.kv_cache_budget, device)
+    if torch.device(device).type == "cpu" and isinstance(spec.kv_cache_budget, float):
+        num_blocks = min(num_blocks, 64 + spec.max_batch_size * (max_model_len // spec.block_size + 2))
+    return num_blocks
+
+
 class PagedKVCache:
     """A KVCacheManager plus one cache tensor per model, e.g. {"target": T, "draft": D}.
 
-    Every copy-on-write copy is applied with one ``copy_blocks`` over all caches.
+    The engine's one handle on the KV cache: every copy-on-write copy the manager asks for is
+    applied here with one ``copy_blocks`` over all caches, so callers never see the manager.
     """
 
-    def __init__(self, configs: dict[str, "ModelConfig"], num_blocks: int, block_size: int = 16,
+    def __init__(self, configs: dict[str, ModelConfig], num_blocks: int, block_size: int = 16,
                  dtype=torch.float32, device="cpu", enable_prefix_sharing: bool = True,
                  num_layers: dict[str, int] | None = None):
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_sharing)
@@ -548,40 +415,25 @@ class PagedKVCache:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.caches[name]
 
-    def apply_copies(self, copies: list[tuple[int, int]]) -> None:
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             mapping = torch.tensor(copies, dtype=torch.int64)  # [P, 2] on the host: ops validates it there
             copy_blocks(list(self.caches.values()), mapping)
 
-    # delegation (copies applied immediately)
-    def allocate(self, request_id, token_ids: list[int]) -> int | None:
-        return self.manager.allocate(request_id, token_ids)
+    # -- queries
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
 
-    def can_append_slots(self, request_id, num_tokens: int) -> bool:
-        return self.manager.can_append_slots(request_id, num_tokens)
+    @property
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
 
-    def append_slots(self, request_id, num_tokens: int) -> bool:
-        ok = self.manager.append_slots(request_id, num_tokens)
-        self.apply_copies(self.manager.pop_pending_copies())
-        return ok
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.manager.can_allocate(num_tokens)
 
-    def commit(self, request_id, token_ids: list[int], all_caches_upto: int | None = None) -> None:
-        self.manager.commit(request_id, token_ids, all_caches_upto)
-
-    def cached_in_all_caches(self, request_id) -> int:
-        return self.manager.cached_in_all_caches(request_id)
-
-    def rollback(self, request_id, num_tokens: int) -> None:
-        self.manager.rollback(request_id, num_tokens)
-
-    def fork(self, parent_id, child_id) -> None:
-        self.apply_copies(self.manager.fork(parent_id, child_id))
-
-    def prepare_write(self, request_id, start_pos: int, num_tokens: int) -> None:
-        self.apply_copies(self.manager.prepare_write(request_id, start_pos, num_tokens))
-
-    def free(self, request_id) -> None:
-        self.manager.free(request_id)
+    def has_request(self, request_id) -> bool:
+        return self.manager.has_request(request_id)
 
     def block_table(self, request_id) -> list[int]:
         return self.manager.block_table(request_id)
@@ -589,12 +441,32 @@ class PagedKVCache:
     def num_tokens(self, request_id) -> int:
         return self.manager.num_tokens(request_id)
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.manager.num_free_blocks
+    def cached_in_all_caches(self, request_id) -> int:
+        return self.manager.cached_in_all_caches(request_id)
+
+    # -- lifecycle (copies applied immediately)
+    def allocate(self, request_id, token_ids: list[int]) -> int | None:
+        return self.manager.allocate(request_id, token_ids)
+
+    def append_slots(self, request_id, num_tokens: int) -> bool:
+        ok = self.manager.append_slots(request_id, num_tokens)
+        self._apply_copies(self.manager.pop_pending_copies())
+        return ok
+
+    def commit(self, request_id, token_ids: list[int], all_caches_upto: int | None = None) -> None:
+        self.manager.commit(request_id, token_ids, all_caches_upto)
+
+    def rollback(self, request_id, num_tokens: int) -> None:
+        self.manager.rollback(request_id, num_tokens)
+
+    def fork(self, parent_id, child_id) -> None:
+        self._apply_copies(self.manager.fork(parent_id, child_id))
+
+    def free(self, request_id) -> None:
+        self.manager.free(request_id)
 
     def metadata(self, request_ids: list, query_lens: list[int], max_model_len: int | None = None) -> AttentionMetadata:
         """Metadata for a forward over the last ``query_lens[i]`` positions of each request."""
         seq_lens = [self.manager.num_tokens(r) for r in request_ids]
-        tables = [self.manager._req(r).block_table for r in request_ids]
+        tables = [self.manager.block_table(r) for r in request_ids]
         return AttentionMetadata.build(seq_lens, query_lens, tables, self.block_size, self.device, max_model_len)

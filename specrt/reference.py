@@ -20,6 +20,8 @@ PURPOSE_RESIDUAL = 3
 PURPOSE_TARGET = 4
 PURPOSES = {"draft": PURPOSE_DRAFT, "accept": PURPOSE_ACCEPT, "residual": PURPOSE_RESIDUAL,
             "target": PURPOSE_TARGET}
+# Temperatures below this float32 value (0 included) are greedy: sampling.h's kGreedyTemperature.
+TEMPERATURE_EPS = float(torch.tensor(1e-5, dtype=torch.float32))
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M0 = 0xD2511F53
@@ -140,11 +142,14 @@ def argmax_nan_low(x: torch.Tensor) -> torch.Tensor:
 # The ops
 # --------------------------------------------------------------------------- #
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor:
-    """temperature -> top-k -> softmax -> top-p -> renormalise, per row.
+                      top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """temperature -> top-k -> softmax -> min-p -> top-p -> renormalise, per row.
 
-    temperature 0: one-hot at the argmax (NaN as -inf, ties to the lowest index).
+    temperature below TEMPERATURE_EPS (0 included): one-hot at the argmax (NaN as -inf, ties
+    to the lowest index); dividing by a tinier temperature would overflow float32.
     top_k 0 or >= V: off; otherwise keep every logit >= the k-th largest (ties kept).
+    min_p 0 (or None): off; otherwise keep every token with exp(x / t - max) >= min_p, i.e.
+    probability >= min_p * the largest probability.
     top_p 1: off; otherwise keep every prob >= the prob at which the descending
     cumulative sum first reaches top_p (ties kept), then renormalise.
     NaN logits count as -inf; a row with no finite logit becomes one-hot at its argmax.
@@ -152,12 +157,13 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     n, v = logits.shape
     out = torch.zeros(n, v, dtype=torch.float32)
     for row in range(n):
-        t = float(temperature[row])
+        t = float(torch.as_tensor(temperature[row]).to(torch.float32))   # the kernels read float32
         k = int(top_k[row])
         p_top = float(top_p[row])
+        m_p = 0.0 if min_p is None else float(torch.as_tensor(min_p[row]).to(torch.float32))
         x = logits[row].to(torch.float32)
         x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
-        if t == 0.0 or not bool(torch.isfinite(x.max())):
+        if not t >= TEMPERATURE_EPS or not bool(torch.isfinite(x.max())):
             out[row, int(argmax_nan_low(x))] = 1.0
             continue
         x = x / _f32(t)
@@ -165,6 +171,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             kth = torch.sort(x, descending=True).values[k - 1]
             x = torch.where(x >= kth, x, torch.full_like(x, float("-inf")))
         e = torch.exp(x - x.max())
+        if m_p > 0.0:
+            e = torch.where(e >= m_p, e, torch.zeros_like(e))
         p = e / e.sum()
         if p_top < 1.0:
             sorted_p = torch.sort(p, descending=True).values
@@ -175,6 +183,38 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
             p = p / p.sum()
         out[row] = p
     return out
+
+
+def penalized_logit(x: torch.Tensor, bias, repetition_penalty, in_prompt: bool, count: int, frequency_penalty,
+                    presence_penalty) -> torch.Tensor:
+    """specrt::penalized_logit (csrc/include/specrt/penalties.h), float32 op for op."""
+    f = lambda v: torch.as_tensor(v, dtype=torch.float32)   # noqa: E731
+    x = f(x) + f(bias)
+    if in_prompt or count > 0:
+        x = torch.where(x < 0, x * f(repetition_penalty), x / f(repetition_penalty))
+    if count > 0:
+        x = (x - f(frequency_penalty) * f(float(count))) - f(presence_penalty)
+    return x
+
+
+def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_ids, entry_start, entry_token,
+                    entry_count, entry_in_prompt, entry_bias, repetition_penalty, frequency_penalty,
+                    presence_penalty) -> None:
+    """In place: row r (request b = row_request[r], after i = row_offset[r] drafts) gets, for every
+    token its history touches, penalized_logit with count = generated count + occurrences in
+    draft_token_ids[b, :i], in_prompt from the entries and the entry's bias (0 for a draft token
+    that has no entry)."""
+    for r in range(logits.shape[0]):
+        b, i = int(row_request[r]), int(row_offset[r])
+        s, e = int(entry_start[b]), int(entry_start[b + 1])
+        table = {int(entry_token[x]): (int(entry_count[x]), bool(entry_in_prompt[x]), float(entry_bias[x]))
+                 for x in range(s, e)}
+        for d in [int(t) for t in draft_token_ids[b, :i]]:
+            c, p, bias = table.get(d, (0, False, 0.0))
+            table[d] = (c + 1, p, bias)
+        for t, (c, p, bias) in table.items():
+            logits[r, t] = penalized_logit(logits[r, t], bias, repetition_penalty[b], p, c, frequency_penalty[b],
+                                           presence_penalty[b])
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -274,3 +314,147 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
             continue
         cache[layer, 0, slot // block_size, slot % block_size] = k[t]
         cache[layer, 1, slot // block_size, slot % block_size] = v[t]
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Attention of each request's new queries over its paged context, in float64, one request at a time.
+
+    q [T, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D] (one layer); block_tables [B, max_blocks];
+    seq_lens [B]; query_start_loc [B+1]. Query i of request b sits at position
+    ``seq_lens[b] - query_len + i`` and sees keys ``max(0, pos - window + 1) .. pos`` (``window`` 0:
+    all up to pos). Query head h reads kv head ``h // (H // Hkv)``. Returns float32 [T, H, D]; rows
+    past ``query_start_loc[B]`` are zero.
+    """
+    T, H, D = q.shape
+    block_size, Hkv = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros(T, H, D, dtype=torch.float32)
+    starts = query_start_loc.tolist()
+    for b, s in enumerate(seq_lens.tolist()):
+        n = starts[b + 1] - starts[b]
+        if n == 0:
+            continue
+        keys = torch.arange(s)
+        blocks = block_tables[b].long()[keys // block_size]
+        k = kv_cache[0, blocks, keys % block_size].double().repeat_interleave(H // Hkv, dim=1)  # [s, H, D]
+        v = kv_cache[1, blocks, keys % block_size].double().repeat_interleave(H // Hkv, dim=1)
+        pos = torch.arange(s - n, s)[:, None]  # [n, 1]
+        visible = keys[None, :] <= pos
+        if window > 0:
+            visible &= keys[None, :] > pos - window
+        scores = torch.einsum("nhd,shd->hns", q[starts[b]:starts[b + 1]].double(), k) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H, n, s]
+        out[starts[b]:starts[b + 1]] = torch.einsum("hns,shd->nhd", probs, v).float()
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Linear layers: float and weight-only quantized (ops.linear / ops.quant_linear)
+# (section owned by the small-M linear kernel; csrc/cpu/linear_kernel.h)
+# --------------------------------------------------------------------------- #
+QUANT_GROUP = 32  # input features per scale group of q8_0 / q4_0 / q4_1
+
+
+def unpack_q4(qweight: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit weights [N, K/2] uint8 -> values [N, K] in 0..15 (uint8).
+
+    Each group of 32 features is 16 bytes; byte j holds feature j (low nibble)
+    and feature j + 16 (high nibble), as in GGUF Q4_0 / Q4_1 blocks."""
+    n = qweight.shape[0]
+    b = qweight.reshape(n, -1, QUANT_GROUP // 2)  # [N, G, 16]
+    return torch.cat((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      kind: str) -> torch.Tensor:
+    """The float32 weight [N, K] a quantized weight stands for (llama.cpp / gguf-py values).
+
+    int8: ``scale[n] * q``; q8_0: ``d * q``; q4_0: ``d * (q - 8)``; q4_1: ``fl(d * q) + m``
+    (two roundings, no fused multiply-add), with fp16 ``d`` / ``m`` per 32 features."""
+    if kind == "int8":
+        return qweight.float() * scales.float()[:, None]
+    n = qweight.shape[0]
+    q = (unpack_q4(qweight) if kind in ("q4_0", "q4_1") else qweight).float().reshape(n, -1, QUANT_GROUP)
+    d = scales.float()[:, :, None]
+    if kind == "q8_0":
+        w = q * d
+    elif kind == "q4_0":
+        w = (q - 8.0) * d
+    elif kind == "q4_1":
+        w = (d * q) + mins.float()[:, :, None]
+    else:
+        raise ValueError(f"kind must be one of int8, q8_0, q4_0, q4_1, got {kind!r}")
+    return w.reshape(n, -1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x weight^T + bias in float32 (torch's GEMM), returned in x's dtype."""
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """linear() over the dequantized weight."""
+    return linear(x, dequantize_weight(qweight, scales, mins, kind), bias)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) -> (xq [M, K] int8 values as float32, dx [M, K/32]) per block of 32:
+    dx = max|x| / 127, xq = clamp(rint(x * (1 / dx)), -127, 127) (0 where dx == 0)."""
+    xb = x.float().reshape(x.shape[0], -1, QUANT_GROUP)
+    dx = xb.abs().amax(-1) / 127.0
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return xq.reshape(x.shape[0], -1), dx
+
+
+def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                         bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """ops.quant_linear_dynamic in float64: sum over blocks of (dequantized w) . (dx * xq); x's dtype out."""
+    xq, dx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    xd = (xq.double().reshape(xq.shape[0], -1, QUANT_GROUP) * dx.double()[..., None]).reshape(xq.shape)
+    w = dequantize_weight(qweight, scales, mins, kind).double()
+    y = xd @ w.t()
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+# --------------------------------------------------------------------------- #
+# Fused decoder ops (specrt.ops.rms_norm / silu_mul / rotary_write_kv): the same
+# math as op-by-op torch code in the tensors' dtype (transformers' roundings)
+# --------------------------------------------------------------------------- #
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(dtype); with ``residual``: residual += x first."""
+    if residual is not None:
+        residual.copy_(residual + x)
+        x = residual
+    xf = x.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * r).to(x.dtype)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] (each op rounded to x's dtype, as transformers' MLP)."""
+    n = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :n]) * x[..., n:]
+
+
+def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+                    q_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin on q and k (k in place in qkv), then write_kv of k and v."""
+    T, D = qkv.shape[0], cos.shape[-1]
+    H, Hkv = num_heads, num_kv_heads
+    x = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
+    rot = torch.cat((-x[..., D // 2:], x[..., :D // 2]), dim=-1)
+    y = x * cos[:, None] + rot * sin[:, None]
+    x[:, H:] = y[:, H:]
+    k = x[:, H:]
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    for t, slot in enumerate(slot_mapping.tolist()):  # in row order: a repeated slot keeps the last row
+        if slot >= 0:
+            write_kv(kv_cache, layer, k[t:t + 1].to(kv_cache.dtype), v[t:t + 1].to(kv_cache.dtype),
+                     torch.tensor([slot]))
+    return y[:, :H].to(q_dtype or qkv.dtype).contiguous()

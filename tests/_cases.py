@@ -1,9 +1,68 @@
-"""Input builders shared by the CPU-vs-reference and CUDA-vs-CPU kernel tests."""
+"""Input builders shared by the CPU-vs-reference (test_ops_reference.py) and CUDA-vs-CPU
+(test_cuda_kernels.py) kernel tests: one set of cases, run against both oracles."""
 from __future__ import annotations
+
+import zlib
 
 import torch
 
 from specrt import reference
+
+
+def gen(*key) -> torch.Generator:
+    """A generator seeded from ``key`` (crc32, not hash(): str hashes vary per process)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def seeds_positions(g: torch.Generator, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """seeds [B] int64 incl. negative, > 2^32 and extreme ones; positions [B] int64 incl. one
+    whose draft positions straddle the 2^32 word boundary and a small one."""
+    seeds = torch.randint(-2**63, 2**63 - 1, (b,), generator=g, dtype=torch.int64)
+    specials = torch.tensor([-1, 2**32 + 5, -2**40 - 3, 0, 2**63 - 1], dtype=torch.int64)
+    seeds[: min(b, 5)] = specials[: min(b, 5)]
+    positions = torch.randint(0, 2**50, (b,), generator=g, dtype=torch.int64)
+    positions[0] = 2**32 - 2
+    if b > 1:
+        positions[1] = 3
+    return seeds, positions
+
+
+def random_rows(g: torch.Generator, shape: tuple[int, ...], v: int, sparsity: float = 0.3) -> torch.Tensor:
+    """Normalised probability rows [*shape, V] with ~sparsity zeros, never an all-zero row."""
+    x = torch.rand(*shape, v, generator=g) ** 2
+    x = torch.where(torch.rand(*shape, v, generator=g) < sparsity, torch.zeros_like(x), x)
+    x[..., int(torch.randint(0, v, (1,), generator=g))] += 0.05
+    return x / x.sum(-1, keepdim=True)
+
+
+def spec_case(b: int, v: int, k: int, with_q: bool, g: torch.Generator):
+    """(target_probs [B,K+1,V], draft_probs [B,K,V] or None, draft_token_ids [B,K],
+    num_draft_tokens [B], seeds [B], positions [B]) for rejection_sample.
+
+    Every third request is greedy (one-hot target rows); request 2 has an unnormalised draft
+    row q = 2p (its residual max(p - q, 0) is all zero: the "fall back to p" branch);
+    num_draft_tokens mixes K (request 0), 0 (request 1) and random counts; drafts come from
+    q (or p) with 30% drawn uniformly; ids past num_draft_tokens are -1 (never read)."""
+    target = random_rows(g, (b, k + 1), v)
+    draft = random_rows(g, (b, k), v)
+    for r in range(0, b, 3):
+        hot = torch.randint(0, v, (k + 1,), generator=g)
+        target[r] = torch.nn.functional.one_hot(hot, v).float()
+    if with_q and b > 2 and k > 0:
+        draft[2] = 2 * target[2, :k]
+    num_draft = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
+    num_draft[0] = k
+    if b > 1:
+        num_draft[1] = 0
+    ids = torch.full((b, k), -1, dtype=torch.int32)
+    for r in range(b):
+        for i in range(int(num_draft[r])):
+            src = draft[r, i] if with_q else target[r, i]      # one-hot drafts often hit the target
+            if torch.rand(1, generator=g) < 0.3:
+                src = torch.ones(v)
+            ids[r, i] = int(torch.multinomial(src, 1, generator=g))
+    seeds, positions = seeds_positions(g, b)
+    return target, (draft if with_q else None), ids, num_draft, seeds, positions
 
 
 def greedy_case(b: int, v: int, k: int, g: torch.Generator, jitter: bool = False):
@@ -29,3 +88,26 @@ def greedy_case(b: int, v: int, k: int, g: torch.Generator, jitter: bool = False
             j = int(torch.randint(0, n, (1,), generator=g))
             ids[r, j] = (best[r, j] + 1) % v
     return logits, ids, nd
+
+
+def logits_case(n: int, v: int, g: torch.Generator):
+    """(logits [N,V], temperature [N], top_k [N] int32, top_p [N]) for probs_from_logits.
+
+    Integer-valued logits (x 0.75) half of them jittered: exact ties at the argmax and at the
+    top-k / top-p thresholds; 10% NaN, 5% -inf; row 0 all NaN (one-hot at 0), row 1 all tied,
+    row 2 has a +inf (one-hot there). Parameters per row from small lists: greedy (0 and a
+    tiny 1e-8), top-k 1, 2, 3, 50, V-1, V, V+5 (off), top-p cuts and 1 (off)."""
+    x = torch.randint(-4, 5, (n, v), generator=g).float() * 0.75
+    x = torch.where(torch.rand(n, v, generator=g) < 0.5, x + torch.randn(n, v, generator=g), x)
+    x[torch.rand(n, v, generator=g) < 0.1] = float("nan")
+    x[torch.rand(n, v, generator=g) < 0.05] = float("-inf")
+    x[0] = float("nan")
+    if n > 1:
+        x[1] = 2.0
+    if n > 2:
+        x[2, v // 2] = float("inf")
+    temps = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 1.0, 0.9, 1e-8])
+    ks = torch.tensor([0, 1, 3, 50, v - 1, v, v + 5, 2])
+    ps = torch.tensor([1.0, 0.9, 0.5, 0.05, 1.0, 0.7, 0.999, 1.0])
+    idx = torch.randint(0, 8, (n, 3), generator=g)
+    return x, temps[idx[:, 0]], ks[idx[:, 1]].clamp(min=0).int(), ps[idx[:, 2]]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt.kv_cache import AttentionMetadata, PagedKVCache
+from specrt.attention import AttentionMetadata
+from specrt.kv_cache import PagedKVCache
 
 VOCAB = 160
 

@@ -191,6 +191,9 @@ PFL_CASES = [
     (dict(top_p=torch.tensor([1.0, 0.9, 1.5])), ValueError, r"top_p\[2\] = 1.5 must be in \(0, 1\]"),
     (dict(top_p=torch.tensor([NAN, 0.9, 0.5])), ValueError, r"top_p\[0\] = nan must be in \(0, 1\]"),
     (dict(top_p=torch.tensor([1, 1, 1])), TypeError, r"top_p must be a floating-point tensor"),
+    # a sampled row whose largest logit / temperature overflows float32 (would be NaN); greedy row 0 is fine
+    (dict(logits=torch.full((B, V), 3e38), temperature=torch.tensor([0.0, 0.5, 1.0])), ValueError,
+     r"logits\[1\] has largest logit 3e\+38, which divided by temperature\[1\] = 0.5 overflows float32"),
 ]
 
 
@@ -241,6 +244,17 @@ def test_sample_tokens_unknown_purpose():
     assert _st().shape == (B,)
 
 
+def test_uniform_noise_unknown_purpose_names_the_choices():
+    """Issue 14, defect 10: an unknown purpose was a bare KeyError."""
+    one = torch.tensor([1])
+    for purpose in ("accepted", 4, None, ["target"]):
+        with pytest.raises(ValueError, match=r"purpose must be one of \['accept', 'draft', 'residual', 'target'\]"):
+            ops.uniform_noise(one, one, purpose, one)
+    with pytest.raises(ValueError, match=r"purpose must be one of"):
+        _st(purpose=["target"])
+    assert 0.0 < float(ops.uniform_noise(one, one, "accept", one)[0]) < 1.0
+
+
 def test_testing_hooks_bad_input():
     with pytest.raises(ValueError, match=r"counter must have 4 words"):
         ops.philox4x32_10([0, 0, 0], [0, 0])
@@ -279,3 +293,95 @@ def test_unchecked_cpu_kernels_never_crash(case, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path)
     assert proc.returncode == 0 and "survived" in proc.stdout, (case, proc.returncode, proc.stderr[-500:])
+
+
+# --------------------------------------------------------------------------- #
+# Integers wider than the kernels' int32 (issue 14, defect 5): range-checked on the real
+# value before narrowing; without value checks they saturate (an id past the vocabulary is
+# rejected, a huge top_k is off), never wrap around to a small valid value.
+# --------------------------------------------------------------------------- #
+_WIDE = [
+    ("verify_greedy", dict(draft_token_ids=torch.tensor([[2**32 + 1, 0], [3, -1], [-1, -1]])),
+     r"draft_token_ids\[0, 0\] = 4294967297 is out of range"),
+    ("verify_greedy", dict(num_draft_tokens=torch.tensor([2**32 + 2, 1, 0])),
+     r"num_draft_tokens\[0\] = 4294967298 must be in \[0, K=2\]"),
+    ("rejection_sample", dict(draft_token_ids=torch.tensor([[2**32 + 1, 0], [3, -1], [-1, -1]])),
+     r"draft_token_ids\[0, 0\] = 4294967297 is out of range"),
+    ("rejection_sample", dict(num_draft_tokens=[2**32 + 2, 1, 0]), r"num_draft_tokens\[0\] = 4294967298 must be in"),
+    ("probs_from_logits", dict(top_k=torch.tensor([0, 2**32 + 1, 3])), r"top_k\[1\] = 4294967297 must be <= 2\^31 - 1"),
+    ("probs_from_logits", dict(top_k=[2**31, 0, 0]), r"top_k\[0\] = 2147483648 must be <= 2\^31 - 1"),
+    ("probs_from_logits", dict(top_k=torch.tensor([0, -2**40, 3])), r"top_k\[1\] = -1099511627776 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("op,override,match", _WIDE)
+def test_int64_arguments_range_checked_before_narrowing(op, override, match):
+    call = {"verify_greedy": _vg, "rejection_sample": _rs, "probs_from_logits": _pfl}[op]
+    with pytest.raises(ValueError, match=match):
+        call(**override)
+
+
+def test_unchecked_int64_arguments_saturate_instead_of_wrapping():
+    logits = torch.tensor([[[0.0, 9.0, 1.0], [0.0, 0.0, 9.0]]])       # argmax 1, then 2
+    # id 2**32 + 1 would wrap to 1 (the argmax) and be accepted; saturated, it is rejected
+    out, acc = ops.verify_greedy(logits, torch.tensor([[2**32 + 1]]), [1], check_values=False)
+    assert acc.tolist() == [0] and out.tolist() == [[1, -1]]
+    tp = torch.nn.functional.one_hot(torch.tensor([[1, 2]]), 3).float()
+    out, acc = ops.rejection_sample(tp, None, torch.tensor([[2**32 + 1]]), [1], [5], [0], check_values=False)
+    assert acc.tolist() == [0] and out.tolist() == [[1, -1]]
+    # a count of 2**32 + 2 would wrap to 2 (> K: clamped either way); 2**32 + 0 would wrap to 0
+    out, acc = ops.verify_greedy(logits, torch.tensor([[1]]), [2**32], check_values=False)
+    assert acc.tolist() == [1] and out.tolist() == [[1, 2]]
+    # top_k 2**32 + 1 would wrap to 1 (top-1: one-hot); it means "keep more than V": off
+    row = torch.tensor([[1.0, 2.0, 3.0]])
+    off = ops.probs_from_logits(row, [1.0], [0], [1.0])
+    assert torch.equal(ops.probs_from_logits(row, [1.0], [2**32 + 1], [1.0], check_values=False), off)
+    assert torch.equal(ops.probs_from_logits(row, [1.0], torch.tensor([2**31]), [1.0], check_values=False), off)
+
+
+def test_int_arguments_of_any_integer_dtype():
+    """int8/int16/uint8 ids and counts are widened, not misread; bool is not an integer."""
+    logits = torch.randn(B, K + 1, V, generator=torch.Generator().manual_seed(5))
+    ids = logits[:, :K].argmax(-1)
+    ids[1, 1] = -1
+    want = ops.verify_greedy(logits, ids.int(), torch.tensor([2, 1, 0], dtype=torch.int32))
+    assert want[1].tolist() == [2, 1, 0]
+    for dtype, count_dtype in ((torch.int8, torch.uint8), (torch.int16, torch.int16), (torch.int64, torch.int64)):
+        got = ops.verify_greedy(logits, ids.to(dtype), torch.tensor([2, 1, 0], dtype=count_dtype))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(TypeError, match=r"num_draft_tokens must be an integer tensor"):
+        _vg(num_draft_tokens=torch.tensor([True, False, False]))
+    with pytest.raises(TypeError, match=r"top_k must be an integer tensor"):
+        _pfl(top_k=torch.tensor([0, 1, 2], dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"top_k must be a tensor or a list of numbers"):
+        _pfl(top_k=[2**64, 0, 0])
+
+
+# --------------------------------------------------------------------------- #
+# All-zero probability rows (issue 14, defect 10): nothing to sample. With value checks they
+# are an error naming the row; without, the documented fallback is token 0.
+# --------------------------------------------------------------------------- #
+def test_all_zero_probability_rows_rejected_with_value_checks():
+    probs = _probs(B, V)
+    probs[1] = 0.0
+    with pytest.raises(ValueError, match=r"probs\[1\] is all zero"):
+        _st(probs=probs)
+    assert int(ops.sample_tokens(probs, [1, 2, 3], [0, 1, 2], check_values=False)[1]) == 0
+    # a target row the request can reach (position <= num_draft_tokens) ...
+    tp = _probs(B, K + 1, V)
+    tp[1, 1] = 0.0                       # request 1 drafts 1 token: it can reach position 1
+    for method in ("rejection", "coupled"):
+        with pytest.raises(ValueError, match=r"target_probs\[1, 1\] is all zero"):
+            _rs(method=method, target_probs=tp)
+    # ... but not one beyond it (padding rows are never read)
+    tp = _probs(B, K + 1, V)
+    tp[1, 2] = 0.0
+    tp[2, 1:] = 0.0
+    _rs(target_probs=tp)
+    # a draft row a drafted token came from
+    dp = _probs(B, K, V)
+    dp[0, 1] = 0.0
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 1\] is all zero"):
+        _rs(draft_probs=dp)
+    _rs(method="coupled", draft_probs=dp)   # coupled mode never reads draft_probs
+    _check_rejection_still_works()

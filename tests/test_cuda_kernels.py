@@ -13,14 +13,13 @@ Skipped unless a GPU is present and specrt was built with its CUDA kernels.
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from specrt import ops, reference
 
-from _cases import greedy_case  # noqa: E402  (tests/ is on sys.path under pytest)
+from _cases import (gen, greedy_case, logits_case, random_rows, seeds_positions,  # noqa: E402  (tests/ on sys.path)
+                    spec_case)
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and ops.cuda_built()),
                                 reason="needs a CUDA GPU and a CUDA build of specrt (SPECRT_CUDA=1)")
@@ -29,10 +28,6 @@ DEV = "cuda"
 BATCHES = (1, 3, 17)
 VOCABS = (2, 7, 1000, 32003, 128256)
 KS = (0, 1, 4, 8)
-
-
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _cuda(*tensors):
@@ -46,45 +41,6 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
     out.copy_(t)
     assert out.data_ptr() % 16 != 0 and out.is_contiguous()
     return out
-
-
-def _seeds_positions(g, b):
-    seeds = torch.randint(-2**63, 2**63 - 1, (b,), generator=g, dtype=torch.int64)
-    specials = torch.tensor([-1, 2**32 + 5, -2**40 - 3, 0, 2**63 - 1], dtype=torch.int64)
-    seeds[: min(b, 5)] = specials[: min(b, 5)]
-    positions = torch.randint(0, 2**50, (b,), generator=g, dtype=torch.int64)
-    positions[0] = 2**32 - 2   # draft positions straddle the low/high word boundary
-    return seeds, positions
-
-
-def _random_rows(g, shape, v, sparsity=0.3):
-    x = torch.rand(*shape, v, generator=g) ** 2
-    x = torch.where(torch.rand(*shape, v, generator=g) < sparsity, torch.zeros_like(x), x)
-    x[..., int(torch.randint(0, v, (1,), generator=g))] += 0.05
-    return x / x.sum(-1, keepdim=True)
-
-
-def _spec_case(b, v, k, with_q, g):
-    """target [B,K+1,V] with greedy one-hot requests mixed in, draft [B,K,V] or None,
-    drafts that often hit, mixed num_draft_tokens incl. 0, a q = 2p row (all-zero residual)."""
-    target = _random_rows(g, (b, k + 1), v)
-    draft = _random_rows(g, (b, k), v)
-    for r in range(0, b, 3):   # greedy (one-hot) requests
-        target[r] = torch.nn.functional.one_hot(torch.randint(0, v, (k + 1,), generator=g), v).float()
-    if with_q and b > 2 and k > 0:
-        draft[2] = 2 * target[2, :k]
-    num_draft = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
-    num_draft[0] = k
-    if b > 1:
-        num_draft[1] = 0
-    ids = torch.full((b, k), -1, dtype=torch.int32)   # -1 beyond num_draft_tokens: never read
-    src = draft if with_q else target[:, :k]
-    for r in range(b):
-        n = int(num_draft[r])
-        if n:
-            ids[r, :n] = torch.multinomial(src[r, :n] + 1e-3, 1, generator=g).view(-1).int()
-    seeds, positions = _seeds_positions(g, b)
-    return target, (draft if with_q else None), ids, num_draft, seeds, positions
 
 
 def _cases():
@@ -105,8 +61,8 @@ CASES = list(_cases())
 @pytest.mark.parametrize("b,v,k", CASES)
 @pytest.mark.parametrize("with_q", [True, False])
 def test_rejection_sample_cuda_equals_cpu(b, v, k, with_q):
-    g = _gen("rej", b, v, k, with_q)
-    case = _spec_case(b, v, k, with_q, g)
+    g = gen("rej", b, v, k, with_q)
+    case = spec_case(b, v, k, with_q, g)
     want_out, want_acc = ops.rejection_sample(*case)
     got_out, got_acc = ops.rejection_sample(*_cuda(*case))
     assert got_out.device.type == DEV and got_out.dtype == torch.int32
@@ -117,8 +73,8 @@ def test_rejection_sample_cuda_equals_cpu(b, v, k, with_q):
 @pytest.mark.parametrize("b,v,k", [(3, 1000, 4), (17, 32003, 8), (1, 128256, 4)])
 def test_rejection_sample_cuda_misaligned_rows(b, v, k):
     """V % 4 != 0 or a base pointer off 16 bytes takes the scalar path: same tokens."""
-    g = _gen("rej-mis", b, v, k)
-    tp, dp, ids, nd, seeds, pos = _spec_case(b, v, k, True, g)
+    g = gen("rej-mis", b, v, k)
+    tp, dp, ids, nd, seeds, pos = spec_case(b, v, k, True, g)
     want = ops.rejection_sample(tp, dp, ids, nd, seeds, pos)
     tp_d, dp_d = _misaligned(tp.to(DEV)), _misaligned(dp.to(DEV))
     got = ops.rejection_sample(tp_d, dp_d, *_cuda(ids, nd, seeds, pos))
@@ -127,8 +83,8 @@ def test_rejection_sample_cuda_misaligned_rows(b, v, k):
 
 @pytest.mark.parametrize("b,v,k", CASES)
 def test_coupled_cuda_equals_cpu(b, v, k):
-    g = _gen("coupled", b, v, k)
-    tp, dp, ids, nd, seeds, pos = _spec_case(b, v, k, True, g)
+    g = gen("coupled", b, v, k)
+    tp, dp, ids, nd, seeds, pos = spec_case(b, v, k, True, g)
     # every other request drafts the target's own race winners: long accepted prefixes
     for r in range(0, b, 2):
         n = int(nd[r])
@@ -145,13 +101,13 @@ def test_coupled_cuda_equals_cpu(b, v, k):
 @pytest.mark.parametrize("b,v", [(b, v) for b in BATCHES for v in VOCABS])
 @pytest.mark.parametrize("purpose", sorted(ops.PURPOSES))
 def test_sample_tokens_cuda_equals_cpu(b, v, purpose):
-    g = _gen("sample", b, v, purpose)
-    probs = _random_rows(g, (b,), v)
+    g = gen("sample", b, v, purpose)
+    probs = random_rows(g, (b,), v)
     probs[0] = torch.nn.functional.one_hot(torch.tensor(v - 1), v).float()   # greedy row
     if b > 2:
         probs[2] *= 7.5        # unnormalised
         probs[1] = 0.0         # all-zero row: token 0 (torch.argmax of all-zero scores)
-    seeds, pos = _seeds_positions(g, b)
+    seeds, pos = seeds_positions(g, b)
     want = ops.sample_tokens(probs, seeds, pos, purpose=purpose, check_values=False)
     got = ops.sample_tokens(*_cuda(probs, seeds, pos), purpose=purpose)
     assert torch.equal(got.cpu(), want)
@@ -160,7 +116,7 @@ def test_sample_tokens_cuda_equals_cpu(b, v, purpose):
 
 @pytest.mark.parametrize("b,v,k", CASES)
 def test_verify_greedy_cuda_equals_cpu(b, v, k):
-    g = _gen("greedy", b, v, k)
+    g = gen("greedy", b, v, k)
     logits, ids, nd = greedy_case(b, v, k, g, jitter=True)
     want = ops.verify_greedy(logits, ids, nd)
     got = ops.verify_greedy(*_cuda(logits, ids, nd))
@@ -174,28 +130,11 @@ def test_verify_greedy_cuda_equals_cpu(b, v, k):
 # --------------------------------------------------------------------------- #
 # probs_from_logits
 # --------------------------------------------------------------------------- #
-def _logits_case(n, v, g):
-    x = torch.randn(n, v, generator=g) * 3.0
-    tied = torch.randint(-4, 5, (n, v), generator=g).float() * 0.75   # exact ties at thresholds
-    x = torch.where(torch.rand(n, v, generator=g) < 0.3, tied, x)
-    x[torch.rand(n, v, generator=g) < 0.05] = float("nan")
-    x[torch.rand(n, v, generator=g) < 0.03] = float("-inf")
-    x[0] = float("nan")                       # all-NaN: one-hot at 0
-    if n > 2:
-        x[1] = 2.0                            # all tied
-        x[2, v // 2] = float("inf")           # +inf: one-hot there
-    temps = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 1.0, 0.9])
-    ks = torch.tensor([0, 1, 3, 50, v - 1, v, v + 5])
-    ps = torch.tensor([1.0, 0.9, 0.5, 0.05, 1.0, 0.7, 0.999])
-    idx = torch.randint(0, 7, (n, 3), generator=g)
-    return x, temps[idx[:, 0]], ks[idx[:, 1]].clamp(min=0).int(), ps[idx[:, 2]]
-
-
 @pytest.mark.parametrize("n", BATCHES + (40,))
 @pytest.mark.parametrize("v", VOCABS)
 def test_probs_from_logits_cuda_matches_cpu(n, v):
-    g = _gen("probs", n, v)
-    logits, t, k, p = _logits_case(n, v, g)
+    g = gen("probs", n, v)
+    logits, t, k, p = logits_case(n, v, g)
     want = ops.probs_from_logits(logits, t, k, p)
     for x in (logits.to(DEV), _misaligned(logits.to(DEV))):
         got = ops.probs_from_logits(x, *_cuda(t, k, p)).cpu()
@@ -208,8 +147,32 @@ def test_probs_from_logits_cuda_matches_cpu(n, v):
         flips = ((got > 0) != (want > 0)).sum(-1)
         assert int(flips.max()) <= max(2, v // 1000), f"top-p support differs in {int(flips.max())} tokens"
         assert torch.allclose(got, want, atol=1e-6, rtol=0), float((got - want).abs().max())
-        onehot = (t == 0) | (want == 1.0).any(-1)
+        onehot = (t < ops.TEMPERATURE_EPS) | (want == 1.0).any(-1)
         assert torch.equal(got[onehot], want[onehot]), "one-hot rows must be identical"
+
+
+@pytest.mark.parametrize("t", [1e-45, 1e-38, 1e-8])
+def test_probs_from_logits_tiny_temperature_cuda_is_greedy(t):
+    """Issue 14, defect 3 on the device: the kernel applies the shared greedy threshold."""
+    logits = torch.tensor([[1.0, 5.0, 3.0], [-2.0, 7.5, 7.5]], device=DEV)
+    args = (torch.full((2,), t, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), torch.ones(2, device=DEV))
+    got = ops.probs_from_logits(logits, *args).cpu()
+    assert torch.equal(got, torch.tensor([[0, 1.0, 0], [0, 1.0, 0]]))
+
+
+def test_cuda_ops_check_devices_and_wide_integers():
+    """Mixed devices are named; int64 ids/counts are range-checked (debug) or saturated (not wrapped)."""
+    logits = torch.tensor([[[0.0, 9.0, 1.0], [0.0, 0.0, 9.0]]], device=DEV)
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be on cuda"):
+        ops.verify_greedy(logits, torch.tensor([[1]], device=DEV), torch.tensor([1]))
+    out, acc = ops.verify_greedy(logits, torch.tensor([[2**32 + 1]], device=DEV), torch.tensor([1], device=DEV))
+    assert acc.tolist() == [0] and out.tolist() == [[1, -1]]
+    ops.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match=r"draft_token_ids\[0, 0\] = 4294967297"):
+            ops.verify_greedy(logits, torch.tensor([[2**32 + 1]], device=DEV), torch.tensor([1], device=DEV))
+    finally:
+        ops.set_debug_checks(False)
 
 
 # --------------------------------------------------------------------------- #
@@ -224,7 +187,7 @@ def _cache(shape, dtype, g):
 
 @pytest.mark.parametrize("mapping_on_device", [False, True])
 def test_copy_blocks_cuda_exact(mapping_on_device):
-    g = _gen("copy_blocks", mapping_on_device)
+    g = gen("copy_blocks", mapping_on_device)
     # target, draft and odd-shaped caches of every dtype (odd block bytes -> narrow copy units)
     shapes = [((3, 2, 11, 16, 4, 8), torch.bfloat16), ((1, 2, 11, 16, 2, 8), torch.float16),
               ((2, 2, 11, 3, 1, 5), torch.float32), ((2, 2, 11, 1, 1, 3), torch.float16),
@@ -247,7 +210,7 @@ def test_copy_blocks_cuda_exact(mapping_on_device):
 @pytest.mark.parametrize("hd", [(4, 64), (1, 3), (2, 8)])
 def test_write_kv_cuda_exact(dtype, hd):
     h, d = hd
-    g = _gen("write_kv", str(dtype), hd)
+    g = gen("write_kv", str(dtype), hd)
     cache = _cache((3, 2, 6, 4, h, d), dtype, g)
     t = 17
     k = _cache((t, h, d), dtype, g)
@@ -266,9 +229,9 @@ def test_write_kv_cuda_exact(dtype, hd):
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("method", ["rejection", "coupled"])
 def test_rejection_sample_cuda_graph_replay(method):
-    g = _gen("graph", method)
+    g = gen("graph", method)
     b, v, k = 17, 32003, 4
-    tp, dp, ids, nd, seeds, pos = _cuda(*_spec_case(b, v, k, True, g))
+    tp, dp, ids, nd, seeds, pos = _cuda(*spec_case(b, v, k, True, g))
     eager = ops.rejection_sample(tp, dp, ids, nd, seeds, pos, method=method)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -293,9 +256,9 @@ def test_rejection_sample_cuda_graph_replay(method):
 
 
 def test_no_host_sync_and_current_stream():
-    g = _gen("nosync")
+    g = gen("nosync")
     b, v, k = 3, 1000, 4
-    tp, dp, ids, nd, seeds, pos = _cuda(*_spec_case(b, v, k, True, g))
+    tp, dp, ids, nd, seeds, pos = _cuda(*spec_case(b, v, k, True, g))
     logits = torch.randn(b * (k + 1), v, generator=g).to(DEV)
     t = torch.full((b * (k + 1),), 0.8, device=DEV)
     tk = torch.full((b * (k + 1),), 20, dtype=torch.int32, device=DEV)
@@ -338,9 +301,9 @@ def test_no_host_sync_and_current_stream():
 
 def test_bad_device_ids_never_fault():
     """Unvalidated device inputs (debug checks off) with out-of-range ids/slots: no crash."""
-    g = _gen("bad-ids")
+    g = gen("bad-ids")
     b, v, k = 3, 1000, 4
-    tp, dp, ids, nd, seeds, pos = _cuda(*_spec_case(b, v, k, True, g))
+    tp, dp, ids, nd, seeds, pos = _cuda(*spec_case(b, v, k, True, g))
     ids[:, 0] = torch.tensor([v, -7, 2**30], dtype=torch.int32, device=DEV)
     nd = torch.tensor([k + 3, -1, k], dtype=torch.int32, device=DEV)
     for method in ("rejection", "coupled"):

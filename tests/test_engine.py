@@ -103,13 +103,13 @@ def test_lagging_draft_keeps_target_prefix_sharing(pair, ar_greedy):
     llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4), seed=0)
     eng = llm_.engine
     seen = []
-    alloc = eng._try_allocate
+    alloc = eng.scheduler.try_allocate
 
     def spy(req):
         ok = alloc(req)
         seen.append((req.target_cached, req.draft_cached))
         return ok
-    eng._try_allocate = spy
+    eng.scheduler.try_allocate = spy
     plan = eng.policy.plan
     eng.policy.plan = lambda reqs, caps, costs=None, catchup=None: [0] * len(reqs)   # speculation off
     first = tokens(llm_.generate([PROMPTS[0]], GREEDY))
@@ -138,7 +138,7 @@ def test_requests_sharing_a_lagging_prefix_catch_up_together(pair, ar_greedy):
     assert got == [ar_greedy[0]] * 3 + [ar_greedy[1]]
     assert llm_.stats()["total"]["drafted_tokens"] > 0
     # a slot shared by two rows with DIFFERENT tokens is a real bug and still refused
-    from specrt.kv_cache import AttentionMetadata
+    from specrt.attention import AttentionMetadata
 
     meta = AttentionMetadata.build([4, 4], [4, 4], [[3], [3]], 4, token_ids=[1, 2, 3, 4] * 2)
     assert meta.slot_mapping.tolist() == [12, 13, 14, 15, -1, -1, -1, -1]
@@ -160,7 +160,7 @@ def test_calibrate_seeds_both_step_kinds_and_leaves_no_trace(pair, ar_greedy):
     samples = eng.costs.verify_samples
     assert eng.costs.num_plain >= 4 and sum(s[2] for s in samples) >= 8
     assert {s[0] for s in samples if s[2]} >= {1 + 3, 3 + 9}          # drafted: batch + K per request
-    assert len(eng.costs.draft_samples) >= 8 and eng._forced_k is None
+    assert len(eng.costs.draft_samples) >= 8
     assert tokens(llm_.generate(PROMPTS[:3], GREEDY)) == ar_greedy[:3]
     eng.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(RuntimeError, match="idle engine"):
@@ -229,10 +229,10 @@ def test_ngram_index_equals_the_scan(sizes):
     what a scan of the whole context finds, for growing contexts, any k, small and large
     vocabularies (many and few matches), and rebuilds when the context got shorter or its
     last indexed token changed (a regenerated tail). It reports the length of the suffix it
-    matched (state["match_n"], 0 without a match)."""
+    matched (state.match_n, 0 without a match)."""
     import random
 
-    from specrt.drafters import NgramProposer
+    from specrt.drafters import NgramProposer, NgramState
 
     prop = NgramProposer(*sizes)
 
@@ -246,12 +246,12 @@ def test_ngram_index_equals_the_scan(sizes):
     for _ in range(150):
         vocab = rnd.choice([2, 3, 5, 50])
         ctx = [rnd.randrange(vocab) for _ in range(rnd.randrange(1, 5))]
-        state = {}
+        state = NgramState()
         for _ in range(40):
             k = rnd.randrange(0, 6)
             assert prop.propose(ctx, k, state) == prop._scan(ctx, k), (ctx, k)
             if k:    # the match length the budget policy pools acceptance by
-                assert state["match_n"] == match_len(ctx), ctx
+                assert state.match_n == match_len(ctx), ctx
             ctx = ctx + [rnd.randrange(vocab) for _ in range(rnd.randrange(0, 4))]
         shorter = ctx[:rnd.randrange(1, len(ctx) + 1)]
         assert prop.propose(shorter, 3, state) == prop._scan(shorter, 3)
@@ -481,3 +481,206 @@ def test_metrics_and_prometheus(pair):
     assert steps == snap["total"]["steps"]          # every step counted once across the series
     assert "specrt_position_acceptance_rate{position=\"0\"}" in text
     assert "# TYPE specrt_emitted_tokens_total counter" in text
+
+
+# ----------------------------------------------------------------------------- reliability (issue 14)
+class _Flaky:
+    """A drafter or model that raises while ``fail(args)`` says so (every other call delegated)."""
+
+    def __init__(self, inner, method: str, fail):
+        self.inner, self.method, self.fail, self.raised = inner, method, fail, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name != self.method:
+            return attr
+
+        def call(*a, **kw):
+            if self.fail(a):
+                self.raised += 1
+                raise RuntimeError("injected fault")
+            return attr(*a, **kw)
+        return call
+
+    def __call__(self, *a, **kw):
+        return self.__getattr__("__call__")(*a, **kw) if self.method == "__call__" else self.inner(*a, **kw)
+
+
+def _once():
+    state = {"left": 1}
+
+    def fail(_args):
+        state["left"] -= 1
+        return state["left"] == 0
+    return fail
+
+
+def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy):
+    """A drafter that raises once, or a target forward that raises once: every request still
+    completes with the autoregressive tokens (the step is retried request by request) and the
+    engine serves on. A drafter that raises whenever one request is in its batch fails that
+    request alone (finish_reason "error", its KV freed, not left running); the others finish
+    with their tokens, and the engine serves afterwards."""
+    tdir, ddir = pair
+    spec = SpecConfig(max_draft_length=3)
+    flaky = {}
+
+    def wrap(d):
+        flaky["d"] = _Flaky(d, "propose", _once())
+        return flaky["d"]
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, wrap_drafter=wrap)
+    assert tokens(llm_.generate(PROMPTS, GREEDY)) == ar_greedy and flaky["d"].raised == 1
+    e = llm_.engine
+    assert not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks
+
+    from specrt.loading import default_loader
+    models = {}
+
+    def load(path, role, dtype, device):
+        m = default_loader(path, role, dtype, device)
+        if role == "target":
+            models["t"] = m = _Flaky(m, "__call__", _once())
+        return m
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, model_loader=load)
+    assert tokens(llm_.generate(PROMPTS, GREEDY)) == ar_greedy and models["t"].raised == 1
+
+    poison = [9, 9, 9, 9]
+
+    def wrap_poisoned(d):
+        flaky["p"] = _Flaky(d, "propose", lambda a: any(r.prompt_token_ids == poison for r in a[0]))
+        return flaky["p"]
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, wrap_drafter=wrap_poisoned)
+    e = llm_.engine
+    outs = llm_.generate(PROMPTS[:4] + [poison] + PROMPTS[4:], GREEDY)
+    bad = outs.pop(4)
+    assert bad.finish_reason == "error" and "injected fault" in bad.error and flaky["p"].raised >= 1
+    assert tokens(outs) == ar_greedy
+    assert not e.scheduler.running and not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks
+    assert tokens(llm_.generate(PROMPTS[:2], GREEDY)) == ar_greedy[:2]
+
+
+def test_a_request_whose_parameters_overflow_the_kernels_runs_normally(pair, ar_sampled):
+    """A top_k beyond int32 (it slipped past SamplingParams' own checks) means "no top-k" like
+    any top_k >= the vocabulary: it must not break the step for its batch neighbours, and it
+    samples exactly what top_k=0 samples."""
+    eng = llm(pair, "model", max_draft_length=3)
+    params = list(SAMPLED)
+    huge = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=0)
+    huge.top_k = 2 ** 31                     # what the engine must survive, however it got there
+    params[0] = huge
+    assert SAMPLED[0].top_k == 0
+    assert tokens(eng.generate(PROMPTS, params)) == tokens(eng.generate(PROMPTS, SAMPLED))
+    assert not eng.engine.has_unfinished()
+
+
+def test_python_api_refuses_bad_input_before_queuing_anything(pair):
+    """generate() validates every prompt before it queues any (no orphan left running); token
+    ids must be integers (not 100.7, "100" or True); params of the wrong type are named as such."""
+    import numpy as np
+
+    tdir, ddir = pair
+    eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=2), seed=0)
+    e = eng.engine
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate(["w5 w6", ""], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        eng.generate([[5, 6], [5, VOCAB]], GREEDY)
+    assert not e.has_unfinished()
+    for bad in ([5, 100.7], [5, "100"], [True, 5], [5.0]):
+        with pytest.raises(ValueError, match="integer"):
+            e.add_request(bad, GREEDY)
+    assert not e.has_unfinished()
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        eng.generate(["w5 w6"], {"temperature": 0.0})
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        eng.generate(["w5 w6", "w7"], [GREEDY, {"temperature": 0.0}])
+    assert not e.has_unfinished()
+    # integer types other than int are token ids too
+    want = tokens(eng.generate([PROMPTS[1]], GREEDY))
+    assert tokens(eng.generate([np.array(PROMPTS[1])], GREEDY)) == want
+    assert tokens(eng.generate([torch.tensor(PROMPTS[1])], GREEDY)) == want
+
+
+def test_dtype_names_and_a_kv_cache_sized_for_the_workload(pair, ar_greedy):
+    """dtype may be given by name ("float32", "fp32", "bfloat16", "bf16", "float16") like a torch
+    dtype; the default CPU cache holds what max_batch_size requests at max_model_len need (plus a
+    margin), not a share of the machine's RAM."""
+    tdir, ddir = pair
+    spec = SpecConfig(max_draft_length=2, max_batch_size=3, max_model_len=128)
+    for name in ("float32", "fp32"):
+        eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, dtype=name, seed=0)
+        assert eng.engine.kv["target"].dtype == torch.float32
+        assert tokens(eng.generate(PROMPTS[:2], GREEDY)) == ar_greedy[:2]
+    for name, want in (("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float16", torch.float16)):
+        eng = specrt.LLM(target=str(tdir), draft="ngram", spec=spec, dtype=name, seed=0)
+        assert eng.engine.target.dtype == want and eng.engine.kv["target"].dtype == want
+        assert len(eng.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match="dtype"):
+        specrt.LLM(target=str(tdir), dtype="int8")
+    assert eng.engine.kv.num_blocks == 64 + 3 * (128 // 16 + 2)
+
+
+def test_head_policy_without_a_head_names_the_command_that_trains_one(pair, tmp_path):
+    """policy="head" needs accept_head/ beside the draft; the error says how to train one with a
+    command that exists (python -m specrt.training.accept_head), and other drafters are refused."""
+    import shutil
+
+    tdir, ddir = pair
+    bare = tmp_path / "draft"
+    shutil.copytree(ddir, bare, ignore=shutil.ignore_patterns("accept_head"))
+    with pytest.raises(ValueError, match="no acceptance head") as info:
+        specrt.LLM(target=str(tdir), draft=str(bare), spec=SpecConfig(policy="head"))
+    assert "python -m specrt.training.accept_head" in str(info.value) and "distill head" not in str(info.value)
+    assert f"--draft {bare}" in str(info.value)
+    for draft in ("ngram", "self:1", None):
+        with pytest.raises(ValueError, match="needs a draft model"):
+            specrt.LLM(target=str(tdir), draft=draft, spec=SpecConfig(policy="head"))
+
+
+def test_what_preemption_reproduces(pair, ar_greedy):
+    """What holds when the KV cache is short (drafts dropped to make room, requests preempted and
+    recomputed; see specrt.scheduler): greedy and coupled outputs are token-identical to running
+    alone; seeded rejection-sampled outputs may differ from running alone (their tokens depend on
+    the draft lengths, which the shortage changes) but stay exact in distribution."""
+    from scipy.stats import chi2_contingency
+
+    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models import load_model
+
+    tdir, ddir = pair
+    cfgs = [load_model(tdir).config, load_model(ddir).config]
+    tight = SpecConfig(max_draft_length=3, block_size=4, max_batch_size=64,
+                       kv_cache_budget=40 * kv_bytes_per_block(cfgs, 4, torch.float32))
+    eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=tight, seed=0)
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar_greedy
+    n, pos = 1200, (3, 5, 7)
+    params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=8, ignore_eos=True, seed=i) for i in range(n)]
+    squeezed = tokens(eng.generate([PROMPTS[1]] * n, params))
+    assert eng.stats()["preemptions"] > 0
+    roomy = tokens(llm(pair, "model", max_batch_size=256, max_draft_length=3).generate([PROMPTS[1]] * n, params))
+    assert sum(a != b for a, b in zip(squeezed, roomy)) > 0      # not token-identical: the draft lengths differed
+    ar = _first_tokens(llm(pair, "none", max_batch_size=256), n, tokens_per_req=8, seed0=10_000)
+    for p in pos:
+        a = torch.bincount(torch.tensor([t[p] for t in ar]), minlength=VOCAB)
+        b = torch.bincount(torch.tensor([t[p] for t in squeezed]), minlength=VOCAB)
+        keep = (a + b) > 0
+        assert chi2_contingency(torch.stack([a[keep], b[keep]]).numpy())[1] > 1e-4, p
+
+
+def test_an_admission_fault_fails_that_request_alone(pair, ar_greedy):
+    """An exception while admitting one request (reserving its prompt's blocks) fails that
+    request; the queue behind it is admitted and served as usual."""
+    tdir, ddir = pair
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3), seed=0)
+    e = llm_.engine
+    allocate = e.scheduler.try_allocate
+
+    def faulty(req):
+        if req.prompt_token_ids == [9, 9, 9]:
+            raise RuntimeError("injected admission fault")
+        return allocate(req)
+    e.scheduler.try_allocate = faulty
+    outs = llm_.generate(PROMPTS[:2] + [[9, 9, 9]] + PROMPTS[2:], GREEDY)
+    bad = outs.pop(2)
+    assert bad.finish_reason == "error" and "injected admission fault" in bad.error
+    assert tokens(outs) == ar_greedy and not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks

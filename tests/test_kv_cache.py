@@ -1,18 +1,20 @@
 """Paged KV cache bookkeeping: allocation, out-of-blocks, free, prefix sharing, rollback, fork/CoW."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
 
 from specrt import kv_cache as kvc
+from specrt.attention import AttentionMetadata, copy_blocks, write_kv
 from specrt.kv_cache import (
-    AttentionMetadata,
     KVCacheManager,
     OutOfBlocksError,
     PagedKVCache,
     allocate_kv_cache,
+    kv_bytes_per_block,
     num_blocks_for_budget,
 )
 from specrt.models.config import ModelConfig
@@ -269,11 +271,9 @@ def _reference_ops():
         pytest.skip("specrt.reference not available")
 
 
-@pytest.mark.parametrize("impl", ["active", "torch_fallback"])
-def test_write_kv_and_copy_blocks_match_reference(impl):
+def test_write_kv_and_copy_blocks_match_reference():
     ref = _reference_ops()
-    write = kvc.write_kv if impl == "active" else kvc._write_kv_torch
-    copy = kvc.copy_blocks if impl == "active" else kvc._copy_blocks_torch
+    write, copy = write_kv, copy_blocks
     g = torch.Generator().manual_seed(0)
     cache = torch.randn(2, 2, 6, 4, 2, 3, generator=g)
     expected = cache.clone()
@@ -330,10 +330,25 @@ def test_budget_and_allocation():
     assert t.shape == (1, 2, 3, 16, 2, 4) and t.dtype == torch.bfloat16
 
 
-def test_paged_cache_delegates_can_append_slots():
-    """PagedKVCache.can_append_slots answers like its manager (it once carried a broken copy)."""
-    cfg = tiny_config(layers=1, kv_heads=1, head_dim=4)
-    cache = PagedKVCache({"target": cfg}, num_blocks=3, block_size=4, dtype=torch.float32)
-    assert cache.allocate("a", [1, 2, 3]) == 0
-    assert cache.can_append_slots("a", 9) and not cache.can_append_slots("a", 10)
-    assert cache.can_append_slots("a", 9) == cache.manager.can_append_slots("a", 9)
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
+def test_a_cpu_cache_costs_only_the_blocks_in_use():
+    """A CPU KV cache sized for the worst case (every request at its full context) must be cheap
+    to build and cost memory for the blocks written only: 1 GiB of blocks, a few written, reads
+    zero everywhere else; dtype names are accepted like torch dtypes."""
+    cfg = tiny_config(layers=4, kv_heads=4, head_dim=64)
+    per_block = kv_bytes_per_block([cfg], 16, "float32")
+    assert per_block == kv_bytes_per_block([cfg], 16, torch.float32) == 2 * kv_bytes_per_block([cfg], 16, "bf16")
+    num_blocks = 2 ** 30 // per_block
+    before = _rss_mib()
+    pc = PagedKVCache({"target": cfg}, num_blocks, 16, "fp32", "cpu")
+    cache = pc["target"]
+    assert cache.dtype == torch.float32 and cache.shape[2] == num_blocks
+    pc.allocate("a", list(range(40)))
+    cache[:, :, pc.block_table("a")] = 1.0
+    assert _rss_mib() - before < 64, "the cache's untouched blocks must not be resident"
+    assert float(cache[:, :, -1].abs().sum()) == 0.0 and float(cache[:, :, pc.block_table("a")].mean()) == 1.0

@@ -143,3 +143,30 @@ def test_write_kv_rejects_bad_inputs():
             ops.write_kv(args["cache"], args["layer"], args["k"], args["v"], args["slot_mapping"])
         assert float(cache.abs().sum()) == 0.0, (override, "a rejected write must not write")
     _still_works()
+
+
+# Issue 14, defect 10: floats were truncated ([[0.9, 1.7]] copied block 0 to block 1, layer
+# 0.9 wrote layer 0). They are rejected, and nothing is written.
+@pytest.mark.parametrize("mapping", [[[0.9, 1.7]], [[0.0, 1.0]], torch.tensor([[0.0, 1.0]]), [[True, False]]])
+def test_copy_blocks_rejects_non_integer_block_ids(mapping):
+    cache = torch.arange(1 * 2 * 3 * 2 * 1 * 2, dtype=torch.float32).view(1, 2, 3, 2, 1, 2)
+    before = cache.clone()
+    with pytest.raises(TypeError, match=r"block_mapping must (hold integer block ids|have dtype int64)"):
+        ops.copy_blocks([cache], mapping)
+    assert torch.equal(cache, before)
+    _still_works()
+
+
+@pytest.mark.parametrize("layer", [0.9, 1.0, True, "0", None, torch.tensor(0.0)])
+def test_write_kv_rejects_non_integer_layer(layer):
+    cache = torch.zeros(2, 2, 3, 4, 2, 5)
+    k = torch.ones(3, 2, 5)
+    with pytest.raises(TypeError, match=r"^layer must be an integer"):
+        ops.write_kv(cache, layer, k, k, torch.tensor([0, 1, 2]))
+    assert float(cache.abs().sum()) == 0.0
+    # integer-like layers are fine: numpy / torch integer scalars
+    import numpy as np
+    for ok in (np.int64(1), torch.tensor(1)):
+        ops.write_kv(cache, ok, k, k, torch.tensor([0, 1, 2]))
+    assert float(cache[1].abs().sum()) > 0 and float(cache[0].abs().sum()) == 0.0
+    _still_works()

@@ -9,7 +9,8 @@ import torch
 
 from _model_utils import VOCAB, Runner, hf_logits, make_checkpoint  # transformers-based tests skip without it
 
-from specrt.kv_cache import AttentionMetadata, PagedKVCache
+from specrt.attention import AttentionMetadata
+from specrt.kv_cache import PagedKVCache
 from specrt.models import (
     ModelConfig,
     check_draft_compatible,
@@ -160,14 +161,17 @@ def test_decode_batch_of_many_requests(ckpt):
 
 
 def test_torch_fallback_kv_ops_match(ckpt, monkeypatch):
-    """The pure-torch write_kv/copy_blocks fallback (used until specrt.ops is built) gives the same logits."""
+    """The pure-torch reference write_kv/copy_blocks (specrt.reference) give the same logits as the kernels."""
     import specrt.kv_cache as kvc
+    import specrt.models.llama as llama
+    from specrt import reference
 
     _, hf, model = ckpt("qwen2")
     prompt = prompt_of(9, 90)
     runs = []
-    for ops in (kvc._ops, None):
-        monkeypatch.setattr(kvc, "_ops", ops)
+    for write, copy in ((llama.write_kv, kvc.copy_blocks), (reference.write_kv, reference.copy_blocks)):
+        monkeypatch.setattr(llama, "write_kv", write)
+        monkeypatch.setattr(kvc, "copy_blocks", copy)
         r = Runner(model)
         r.prefill("p", prompt[:6])
         r.cache.fork("p", "c")
@@ -354,8 +358,11 @@ def test_dtype_auto_reads_checkpoint(ckpt):
         cfg.get("dtype") or cfg.get("torch_dtype"), torch.float32)
 
 
-def test_int8_weight_only_checkpoint_is_dequantised(tmp_path, ckpt):
-    """The specrt.models.quant on-disk format (int8 weight + float32 weight_scale) loads as float."""
+def test_int8_weight_only_checkpoint_stays_int8(tmp_path, ckpt):
+    """The specrt.models.quant on-disk format (int8 weight + float32 weight_scale) loads as an int8
+    layer that stays int8 (its dequantized weight is q * scale)."""
+    from specrt.models.linear import QuantLinear
+
     from safetensors.torch import load_file, save_file
 
     folder, _, model = ckpt("qwen2")
@@ -368,7 +375,9 @@ def test_int8_weight_only_checkpoint_is_dequantised(tmp_path, ckpt):
     save_file(sd, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     q = load_model(tmp_path)
-    got = q.model.layers[1].mlp.down_proj.weight
+    layer = q.model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantLinear) and layer.weight.dtype == torch.int8
+    got = layer.dequantize()
     assert got.dtype == torch.float32 and (got - w).abs().max() <= scale.max() / 2 + 1e-7
     prompt = prompt_of(9, 5)
     assert maxdiff(Runner(q).prefill("a", prompt), Runner(model).prefill("a", prompt)) < 0.1
@@ -578,3 +587,27 @@ def test_draft_with_different_vocabulary(tmp_path, ckpt):
     make_checkpoint(other, "llama", vocab_size=VOCAB + 32)
     with pytest.raises(ValueError, match=f"vocab_size: target {VOCAB} != draft {VOCAB + 32}"):
         check_draft_compatible(ckpt("llama")[2], load_model(other))
+
+
+def test_chat_template_jinja_file_as_transformers_5_saves_it(tmp_path):
+    """transformers>=5 writes the template to chat_template.jinja (not tokenizer_config.json); the
+    file wins over a tokenizer_config.json template, and named extra templates are kept."""
+    _write_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="no chat_template"):
+        load_tokenizer(tmp_path).apply_chat_template(msgs)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}", encoding="utf-8")
+    assert load_tokenizer(tmp_path).apply_chat_template(msgs) == "[user] hi\n[assistant] "
+    cfg["chat_template"] = "{{ 'from tokenizer_config' }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(tmp_path).apply_chat_template(msgs) == "[user] hi\n[assistant] "
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'tools' }}")
+    tok = load_tokenizer(tmp_path)
+    assert [t["name"] for t in tok.tokenizer_config["chat_template"]] == ["default", "tool_use"]
+    assert tok.apply_chat_template(msgs) == "[user] hi\n[assistant] "

@@ -9,14 +9,13 @@ zero (the "fall back to p" branch).
 """
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
 from specrt import ops, reference
 
-from _cases import greedy_case  # noqa: E402  (tests/ is on sys.path under pytest)
+from _cases import (gen, greedy_case, logits_case, random_rows, seeds_positions,  # noqa: E402  (tests/ on sys.path)
+                    spec_case)
 
 # (B, V, K): every B in {1,3,17}, V in {2,7,1000,32003}, K in {0,1,4}; the reference's Python
 # loops are slow, so the large-V cases use small B.
@@ -24,59 +23,11 @@ SIZES = [(1, 2, 0), (3, 2, 4), (17, 2, 1), (1, 7, 4), (3, 7, 0), (17, 7, 4), (3,
          (1, 1000, 0), (1, 32003, 4), (3, 32003, 1)]
 
 
-def _gen(*key) -> torch.Generator:
-    # crc32, not hash(): str hashes are randomised per process and the inputs must be fixed
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def _seeds_positions(g, b):
-    seeds = torch.randint(-2**63, 2**63 - 1, (b,), generator=g, dtype=torch.int64)
-    specials = torch.tensor([-1, 2**32 + 5, -2**40 - 3, 0, 2**63 - 1], dtype=torch.int64)
-    seeds[: min(b, 5)] = specials[: min(b, 5)]
-    positions = torch.randint(0, 2**50, (b,), generator=g, dtype=torch.int64)
-    positions[0] = 2**32 - 2   # straddles the low/high word boundary for K >= 2
-    if b > 1:
-        positions[1] = 3
-    return seeds, positions
-
-
-def _random_rows(g, shape, v, sparsity=0.3):
-    x = torch.rand(*shape, v, generator=g) ** 2
-    x = torch.where(torch.rand(*shape, v, generator=g) < sparsity, torch.zeros_like(x), x)
-    x[..., int(torch.randint(0, v, (1,), generator=g))] += 0.05   # never an all-zero row
-    return x / x.sum(-1, keepdim=True)
-
-
-def _make_case(b, v, k, with_q, g):
-    target = _random_rows(g, (b, k + 1), v)
-    draft = _random_rows(g, (b, k), v)
-    # greedy (one-hot) target rows mixed in: every third request
-    for r in range(0, b, 3):
-        hot = torch.randint(0, v, (k + 1,), generator=g)
-        target[r] = torch.nn.functional.one_hot(hot, v).float()
-    if with_q and b > 2 and k > 0:
-        # unnormalised draft row q = 2p: rejection leaves residual max(p - q, 0) == 0 everywhere
-        draft[2] = 2 * target[2, :k]
-    num_draft = torch.randint(0, k + 1, (b,), generator=g, dtype=torch.int32)
-    num_draft[0] = k
-    if b > 1:
-        num_draft[1] = 0
-    ids = torch.full((b, k), -1, dtype=torch.int32)
-    for r in range(b):
-        for i in range(int(num_draft[r])):
-            src = draft[r, i] if with_q else target[r, i]      # one-hot drafts often hit the target
-            if torch.rand(1, generator=g) < 0.3:
-                src = torch.ones(v)
-            ids[r, i] = int(torch.multinomial(src, 1, generator=g))
-    seeds, positions = _seeds_positions(g, b)
-    return target, (draft if with_q else None), ids, num_draft, seeds, positions
-
-
 @pytest.mark.parametrize("b,v,k", SIZES)
 @pytest.mark.parametrize("with_q", [True, False])
 def test_rejection_sample_matches_reference(b, v, k, with_q):
-    g = _gen("rej", b, v, k, with_q)
-    tp, dp, ids, nd, seeds, pos = _make_case(b, v, k, with_q, g)
+    g = gen("rej", b, v, k, with_q)
+    tp, dp, ids, nd, seeds, pos = spec_case(b, v, k, with_q, g)
     out, acc = ops.rejection_sample(tp, dp, ids, nd, seeds, pos)
     ref_out, ref_acc = reference.rejection_sample(tp, dp, ids, nd, seeds, pos)
     assert out.dtype == torch.int32 and acc.dtype == torch.int32
@@ -95,8 +46,8 @@ def test_rejection_sample_matches_reference(b, v, k, with_q):
 
 @pytest.mark.parametrize("b,v,k", SIZES)
 def test_coupled_matches_reference(b, v, k):
-    g = _gen("coupled", b, v, k)
-    tp, _, ids, nd, seeds, pos = _make_case(b, v, k, False, g)
+    g = gen("coupled", b, v, k)
+    tp, _, ids, nd, seeds, pos = spec_case(b, v, k, False, g)
     # make some drafts the target's own race winners so long prefixes get accepted
     winners = reference.rejection_sample(tp, None, torch.full_like(ids, -1), torch.zeros_like(nd), seeds, pos,
                                          method="coupled")[0]
@@ -104,7 +55,7 @@ def test_coupled_matches_reference(b, v, k):
         for i in range(int(nd[r])):
             ids[r, i] = int(reference.race(tp[r, i], int(seeds[r]), int(pos[r]) + i, reference.PURPOSE_TARGET)[0])
     del winners
-    dp = _random_rows(g, (b, k), v)
+    dp = random_rows(g, (b, k), v)
     out, acc = ops.rejection_sample(tp, dp, ids, nd, seeds, pos, method="coupled")
     ref_out, ref_acc = reference.rejection_sample(tp, dp, ids, nd, seeds, pos, method="coupled")
     assert torch.equal(acc, ref_acc) and torch.equal(out, ref_out)
@@ -117,48 +68,32 @@ def test_coupled_matches_reference(b, v, k):
 @pytest.mark.parametrize("b,v", [(1, 2), (3, 7), (17, 7), (17, 1000), (3, 32003)])
 @pytest.mark.parametrize("purpose", sorted(ops.PURPOSES))
 def test_sample_tokens_matches_reference(b, v, purpose):
-    g = _gen("sample", b, v, purpose)
-    probs = _random_rows(g, (b,), v)
+    g = gen("sample", b, v, purpose)
+    probs = random_rows(g, (b,), v)
     probs[0] = torch.nn.functional.one_hot(torch.tensor(v - 1), v).float()   # greedy row
     if b > 2:
         probs[2] *= 7.5   # need not be normalised
-    seeds, pos = _seeds_positions(g, b)
+    seeds, pos = seeds_positions(g, b)
     got = ops.sample_tokens(probs, seeds, pos, purpose=purpose)
     want = reference.sample_tokens(probs, seeds, pos, purpose=purpose)
     assert got.dtype == torch.int32 and torch.equal(got, want)
     assert int(got[0]) == v - 1
 
 
-def _logits_case(n, v, g):
-    # integer-valued logits -> many exact ties (at the argmax, at the top-k and top-p thresholds)
-    x = torch.randint(-4, 5, (n, v), generator=g).float() * 0.75
-    x = torch.where(torch.rand(n, v, generator=g) < 0.5, x + torch.randn(n, v, generator=g), x)
-    x[torch.rand(n, v, generator=g) < 0.1] = float("nan")
-    x[torch.rand(n, v, generator=g) < 0.05] = float("-inf")
-    x[0] = float("nan")                      # all-NaN row: one-hot at token 0
-    if n > 1:
-        x[1] = 2.0                           # all tied: greedy -> token 0; sampled -> uniform
-    temps = torch.tensor([0.0, 0.5, 1.0, 1.7, 0.0, 1.0, 0.9])
-    ks = torch.tensor([0, 1, 3, v, v + 5, 0, 2])
-    ps = torch.tensor([1.0, 0.9, 0.5, 0.05, 1.0, 0.7, 1.0])
-    idx = torch.randint(0, 7, (n, 3), generator=g)
-    return x, temps[idx[:, 0]], ks[idx[:, 1]].int(), ps[idx[:, 2]]
-
-
 @pytest.mark.parametrize("n,v", [(1, 2), (3, 2), (17, 7), (17, 1000), (3, 32003), (40, 7)])
 def test_probs_from_logits_matches_reference(n, v):
-    g = _gen("probs", n, v)
-    logits, t, k, p = _logits_case(n, v, g)
+    g = gen("probs", n, v)
+    logits, t, k, p = logits_case(n, v, g)
     got = ops.probs_from_logits(logits, t, k, p)
     want = reference.probs_from_logits(logits, t, k, p)
     assert got.dtype == torch.float32 and got.shape == (n, v)
     assert torch.equal(got > 0, want > 0), "support differs"
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
     assert torch.allclose(got.double().sum(-1), torch.ones(n, dtype=torch.float64), atol=1e-5)
-    # temperature 0 -> exactly one-hot at the NaN-as-(-inf) argmax, ties to the lowest index
+    # greedy temperatures (0, 1e-8) -> exactly one-hot at the NaN-as-(-inf) argmax, ties to the lowest index
     nan_free = torch.where(torch.isnan(logits), torch.full_like(logits, float("-inf")), logits)
     for r in range(n):
-        if float(t[r]) == 0.0 or r == 0:
+        if float(t[r]) < ops.TEMPERATURE_EPS or r == 0:
             hot = int(torch.argmax(nan_free[r]))       # torch.argmax returns the first maximum
             assert float(got[r, hot]) == 1.0 and int((got[r] != 0).sum()) == 1, r
     assert float(got[0, 0]) == 1.0                     # all-NaN row
@@ -176,9 +111,37 @@ def test_probs_from_logits_any_float_dtype_and_exact_ties():
     assert torch.equal(got > 0, torch.tensor([[False, True, True, False, True]]))
 
 
+@pytest.mark.parametrize("t", [1e-45, 1e-40, 1e-38, 1e-8, 9.9e-6, 0.0])
+def test_tiny_temperatures_are_greedy(t):
+    """Issue 14, defect 3: logits / 1e-40 overflowed to inf and inf - inf gave NaN rows, even
+    with value checks on. Below ops.TEMPERATURE_EPS a temperature is greedy: one-hot at the
+    argmax (ties to the lowest index), in the kernel and in the reference alike."""
+    logits = torch.tensor([[1.0, 5.0, 3.0], [-2.0, 7.5, 7.5], [3e38, -3e38, 0.0], [float("nan"), -1.0, -4.0]])
+    n = logits.shape[0]
+    want = torch.tensor([[0, 1.0, 0], [0, 1.0, 0], [1.0, 0, 0], [0, 1.0, 0]])
+    for top_k, top_p in ((0, 1.0), (2, 0.5)):
+        args = ([t] * n, [top_k] * n, [top_p] * n)
+        got = ops.probs_from_logits(logits, *args)
+        assert torch.equal(got, want), got
+        assert torch.equal(reference.probs_from_logits(logits, *map(torch.tensor, args)), want)
+    assert ops.TEMPERATURE_EPS == pytest.approx(reference.TEMPERATURE_EPS) and t < ops.TEMPERATURE_EPS
+
+
+@pytest.mark.parametrize("t", [1e-5, 2e-5, 1e-3])
+def test_small_temperatures_above_eps_are_valid_distributions(t):
+    """At and just above the greedy threshold the softmax is computed, and stays finite."""
+    logits = torch.tensor([[1.0, 5.0, 3.0, 5.0 - 1e-5], [0.0, 1e-5, 2e-5, 3e-5]])
+    got = ops.probs_from_logits(logits, [t, t], [0, 0], [1.0, 1.0])
+    want = reference.probs_from_logits(logits, torch.tensor([t, t]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]))
+    assert bool(torch.isfinite(got).all()) and bool((got >= 0).all())
+    assert torch.allclose(got.double().sum(-1), torch.ones(2, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert float(got[1, 3]) > float(got[1, 0])   # not greedy: lower logits keep some mass
+
+
 @pytest.mark.parametrize("b,v,k", SIZES)
 def test_verify_greedy_matches_reference(b, v, k):
-    g = _gen("greedy", b, v, k)
+    g = gen("greedy", b, v, k)
     logits, ids, nd = greedy_case(b, v, k, g)   # plenty of ties, NaN, an all-NaN row
     out, acc = ops.verify_greedy(logits, ids, nd)
     ref_out, ref_acc = reference.verify_greedy(logits, ids, nd)
@@ -204,7 +167,7 @@ def test_verify_greedy_ties_and_nan_documented():
 
 
 def test_copy_blocks_and_write_kv_match_reference():
-    g = _gen("kv")
+    g = gen("kv")
     caches = [torch.randn(3, 2, 9, 4, 2, 5, generator=g),
               torch.randn(1, 2, 11, 2, 3, 7, generator=g).to(torch.bfloat16)]
     mapping = torch.tensor([[0, 5], [3, 2], [0, 7], [8, 1]])

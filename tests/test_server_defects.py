@@ -8,14 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,11 +23,11 @@ httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
 from _server_utils import LiveServer, free_port, sse  # noqa: E402
+from _env import CHILD_CWD, child_env  # noqa: E402  (tests/ on sys.path)
 
 from specrt.config import SamplingParams, SpecConfig  # noqa: E402
 from specrt.server import create_app  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 BIG_BODY = 8 * 1024 * 1024
 
 
@@ -290,7 +288,7 @@ def _stream_until_end(port: int, body: dict, started: threading.Event, out: list
 def test_sigterm_drains_streams_with_a_final_event(pair, tmp_path):
     tdir, ddir = pair
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "specrt.cli", "serve", "--target-model", str(tdir),
                              "--draft-model", str(ddir), "--speculative-decoding", "--port", str(port),
@@ -369,8 +367,8 @@ def test_in_flight_gauge_is_exact_after_a_response(srv):
 def test_serve_without_extras_prints_an_install_hint():
     code = ("import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None; "
             "from specrt.cli import main; sys.exit(main(['serve', '--target-model', 'builtin']))")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env(),
+                       cwd=CHILD_CWD)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert 'pip install "specrt[serve]"' in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 

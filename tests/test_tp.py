@@ -155,9 +155,9 @@ def test_tp_dead_worker_raises_not_hangs(pair):
     assert not any(p.is_alive() for p in engine._workers)
 
 
-def _reseed_on_rank1(engine, request_id):
-    if engine.tp_rank == 1:   # make rank 1 sample differently: its outputs no longer match rank 0's
-        engine.scheduler.requests[request_id].seed += 1
+def _reseed_on_rank1(rank, request_id):
+    if rank.tp_rank == 1:   # make rank 1 sample differently: its outputs no longer match rank 0's
+        rank.engine.scheduler.requests[request_id].seed += 1
 
 
 def test_tp_divergence_is_detected(pair, capfd):
@@ -183,7 +183,7 @@ def test_tp_startup_failure_cleans_up(pair, tmp_path):
     import torch.distributed as dist
 
     tdir, _ = pair
-    with pytest.raises(ValueError, match="draft model folder not found"):
+    with pytest.raises(ValueError, match="draft model not found"):
         TPEngine(tdir, tmp_path / "no-such-draft", SpecConfig(), "cpu", tensor_parallel_size=2, timeout_s=30)
     assert not multiprocessing.active_children()   # the spawned worker was stopped
     assert not dist.is_initialized()                # and the process group torn down: a new engine can start

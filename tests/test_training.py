@@ -194,3 +194,42 @@ def test_builtin_loads_with_transformers_and_heldout_loss():
         q = draft.lm_head(h).softmax(-1).max(-1).values
         p = head(h, q)
     assert p.shape == (64,) and ((p >= 0) & (p <= 1)).all()
+
+
+def test_distilled_draft_keeps_the_targets_special_ids(tmp_path):
+    """`specrt distill` used to write bos/eos/pad = 0 (the built-in pair's ids) into the draft's
+    generation_config.json, so specrt rejected a draft of any other target (eos [2] vs [2, 0])."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig
+
+    from specrt.models import check_draft_compatible, load_generation_config, load_tokenizer
+    from specrt.training.distill import layer_init_draft, save_draft
+    from specrt.training.pretrain import build_model
+
+    target_dir = tmp_path / "target"
+    torch.manual_seed(0)
+    target = build_model(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=2)).eval()
+    target.save_pretrained(str(target_dir))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus.load_texts("train")[:20], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.save(str(target_dir / "tokenizer.json"))
+    (target_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}))
+    (target_dir / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}))
+    (target_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+    draft_dir = tmp_path / "draft"
+    save_draft(layer_init_draft(target, [1]), str(draft_dir), str(target_dir), str(target_dir))
+    gen = load_generation_config(draft_dir)
+    assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 2)
+    assert load_tokenizer(draft_dir).eos_token_ids == load_tokenizer(target_dir).eos_token_ids == [2]
+    assert check_draft_compatible(target_dir, draft_dir)["shared_vocab_size"] == 300
+    assert load_tokenizer(draft_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"

@@ -5,7 +5,9 @@
 // Parallelism: at::parallel_for over (row, vocabulary chunk) tasks, so one
 // request with a 128k vocabulary still uses every core; per-chunk winners are
 // packed u64 (key, lowest index) and reduced with max, exactly as the CUDA
-// kernels reduce with atomicMax.
+// kernels reduce with atomicMax, so the thread count never changes a result.
+// The races run on the vector path csrc/cpu/cpu_isa.h picks (csrc/cpu/race.h):
+// bit-identical to the scalar definition, much faster.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,35 +15,24 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu/cpu_isa.h"
+#include "cpu/probs.h"
+#include "cpu/probs_select.h"
+#include "cpu/race.h"
 #include "ops.h"
 #include "specrt/sampling.h"
 
 namespace specrt {
 namespace {
 
-// Vocabulary chunk per task: a multiple of 4 so a Philox block never straddles
-// two tasks.
+// Vocabulary chunk per task: a multiple of 16 so the vector paths start on a
+// Philox block (4 tokens) and a full vector.
 constexpr int64_t kChunk = 8192;
 
 int64_t num_chunks(int64_t vocab) { return (vocab + kChunk - 1) / kChunk; }
 
-// Packed race winner over [begin, end) of one row. weight(v) gives w_v >= 0.
-template <typename WeightFn>
-uint64_t race_chunk(const WeightFn& weight, uint64_t seed, int64_t position, uint32_t purpose,
-                    int64_t begin, int64_t end) {
-  uint64_t best = 0;
-  Philox4x32 block{};
-  for (int64_t v = begin; v < end; ++v) {
-    if (v == begin || (v & 3) == 0) block = philox_block(seed, position, purpose, static_cast<uint32_t>(v));
-    const float w = weight(v);
-    if (w > 0.0f) best = std::max(best, race_candidate(race_score_at(w, block, static_cast<uint32_t>(v)),
-                                                       static_cast<uint32_t>(v)));
-  }
-  return best;
-}
-
 // Run task(row, begin, end) -> u64 over every (row, chunk) pair in parallel and
-// reduce each row's chunks with max. rows are given by index into `row_ids`.
+// reduce each row's chunks with max (rows 0..num_rows-1; the task maps them).
 template <typename TaskFn>
 std::vector<uint64_t> reduce_rows_by_chunks(int64_t num_rows, int64_t vocab, const TaskFn& task) {
   const int64_t chunks = num_chunks(vocab);
@@ -59,100 +50,61 @@ std::vector<uint64_t> reduce_rows_by_chunks(int64_t num_rows, int64_t vocab, con
   return best;
 }
 
-// argmax with NaN as -inf and ties to the lowest index, as a packed u64 (the
-// same answer as a scan with pack_argmax(ordered_key(x), v)). Two passes: the
-// max with 8 independent accumulators (x > m is false for NaN, so NaN never
-// wins), then the first index equal to it (-0.0 == +0.0).
-uint64_t argmax_chunk(const float* row, int64_t begin, int64_t end) {
-  float acc[8];
-  for (float& a : acc) a = -INFINITY;
-  int64_t v = begin;
-  for (; v + 8 <= end; v += 8)
-    for (int j = 0; j < 8; ++j) acc[j] = row[v + j] > acc[j] ? row[v + j] : acc[j];
-  for (; v < end; ++v) acc[0] = row[v] > acc[0] ? row[v] : acc[0];
-  float m = acc[0];
-  for (int j = 1; j < 8; ++j) m = acc[j] > m ? acc[j] : m;
-  int64_t first = begin;  // every entry is -inf or NaN: they tie, the lowest index wins
-  if (m != -INFINITY) {
-    for (first = begin; first < end && !(row[first] == m); ++first) {
-    }
-  }
-  return pack_argmax(ordered_key(m), static_cast<uint32_t>(first));
+// argmax of row[begin, end) (NaN as -inf, ties to the lowest index) packed as
+// pack_argmax(ordered_key(max), index), so chunks reduce with max.
+uint64_t argmax_chunk(CpuIsa isa, const float* row, int64_t begin, int64_t end) {
+  const int64_t best = begin + argmax(isa, row + begin, end - begin);
+  return pack_argmax(ordered_key(row[best]), static_cast<uint32_t>(best));
 }
 
-// One row of probs_from_logits; `scratch` has room for V floats.
-void probs_row(const float* logits, float temperature, int32_t top_k, float top_p, int64_t vocab,
-               float* out, std::vector<float>& scratch) {
-  const int32_t best = unpack_argmax_index(argmax_chunk(logits, 0, vocab));
+// Greedy rows: temperature 0 (see DESIGN.md section 2).
+bool greedy_temperature(float temperature) { return temperature == 0.0f; }
+
+// One row of probs_from_logits; `scratch` is working space. Each pass is one of
+// csrc/cpu/probs.h on the chosen instruction set; the thresholds come from
+// csrc/cpu/probs_select.h (no sort of the row).
+void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k, float top_p, float min_p,
+               int64_t vocab, float* out, std::vector<float>& scratch) {
+  const int64_t best = argmax(isa, logits, vocab);
   const float max_logit = logits[best] != logits[best] ? -INFINITY : logits[best];
-  if (temperature == 0.0f || !std::isfinite(max_logit)) {
+  if (greedy_temperature(temperature) || !std::isfinite(max_logit)) {
     std::fill(out, out + vocab, 0.0f);
     out[best] = 1.0f;
     return;
   }
-  // temperature, NaN as -inf
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float x = logits[v];
-    out[v] = x != x ? -INFINITY : x / temperature;
-  }
-  // top-k: keep every logit >= the k-th largest
-  if (top_k > 0 && top_k < vocab) {
-    scratch.assign(out, out + vocab);
-    std::nth_element(scratch.begin(), scratch.begin() + (top_k - 1), scratch.end(), std::greater<float>());
-    const float kth = scratch[top_k - 1];
-    for (int64_t v = 0; v < vocab; ++v)
-      if (!(out[v] >= kth)) out[v] = -INFINITY;
-  }
-  // softmax
-  const float m = max_logit / temperature;
-  double sum = 0.0;
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float e = std::exp(out[v] - m);
-    out[v] = e;
-    sum += e;
-  }
-  const float inv = static_cast<float>(sum);
-  for (int64_t v = 0; v < vocab; ++v) out[v] = out[v] / inv;
+  // top-k: keep every logit whose x / temperature is >= that of the k-th largest
+  // (division is monotone, so that is the k-th largest of the x / temperature)
+  float floor = -INFINITY;
+  if (top_k > 0 && top_k < vocab) floor = kth_largest(isa, logits, vocab, top_k, scratch) / temperature;
+  // softmax (NaN logits count as -inf and get 0)
+  double sum = softmax_numerators(isa, logits, vocab, temperature, max_logit / temperature, floor, out);
+  // min-p (specrt/sampling.h, min_p_drops): numerators below min_p become 0
+  if (min_p > 0.0f) sum = keep_at_least(isa, out, vocab, min_p);
+  divide(isa, out, vocab, static_cast<float>(sum));
   // top-p: keep every prob >= the prob where the descending cumsum reaches top_p
   if (top_p < 1.0f) {
-    scratch.clear();
-    for (int64_t v = 0; v < vocab; ++v)
-      if (out[v] > 0.0f) scratch.push_back(out[v]);
-    std::sort(scratch.begin(), scratch.end(), std::greater<float>());
-    double csum = 0.0;
-    float cut = scratch.empty() ? 0.0f : scratch.back();
-    for (float p : scratch) {
-      csum += p;
-      if (static_cast<float>(csum) >= top_p) {
-        cut = p;
-        break;
-      }
-    }
-    double kept = 0.0;
-    for (int64_t v = 0; v < vocab; ++v) {
-      if (out[v] >= cut) kept += out[v];
-      else out[v] = 0.0f;
-    }
-    const float norm = static_cast<float>(kept);
-    for (int64_t v = 0; v < vocab; ++v) out[v] = out[v] / norm;
+    const float cut = top_p_cut(isa, out, vocab, top_p, scratch);
+    divide(isa, out, vocab, static_cast<float>(keep_at_least(isa, out, vocab, cut)));
   }
 }
 
 }  // namespace
 
 void probs_from_logits_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                           const at::Tensor& top_p, at::Tensor& probs) {
+                           const at::Tensor& top_p, const at::Tensor& min_p, at::Tensor& probs) {
   const int64_t rows = logits.size(0);
   const int64_t vocab = logits.size(1);
   const float* x = logits.data_ptr<float>();
   const float* t = temperature.data_ptr<float>();
   const int32_t* k = top_k.data_ptr<int32_t>();
   const float* p = top_p.data_ptr<float>();
+  const float* mp = min_p.defined() ? min_p.data_ptr<float>() : nullptr;
   float* out = probs.data_ptr<float>();
+  const CpuIsa isa = cpu_isa();
   at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch;
-    scratch.reserve(static_cast<size_t>(vocab));
-    for (int64_t r = lo; r < hi; ++r) probs_row(x + r * vocab, t[r], k[r], p[r], vocab, out + r * vocab, scratch);
+    for (int64_t r = lo; r < hi; ++r)
+      probs_row(isa, x + r * vocab, t[r], k[r], p[r], mp ? mp[r] : 0.0f, vocab, out + r * vocab, scratch);
   });
 }
 
@@ -167,11 +119,12 @@ void verify_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& draft_
   const int32_t* n_draft = num_draft_tokens.data_ptr<int32_t>();
   int32_t* out = output_token_ids.data_ptr<int32_t>();
   int32_t* n_acc = num_accepted.data_ptr<int32_t>();
+  const CpuIsa isa = cpu_isa();
   // argmax of every (request, position) row the request can reach (positions
   // 0..num_draft_tokens), vocabulary split in chunks
   const auto best = reduce_rows_by_chunks(batch * k1, vocab, [&](int64_t row, int64_t lo, int64_t hi) {
     if (row % k1 > std::clamp<int64_t>(n_draft[row / k1], 0, k1 - 1)) return uint64_t{0};
-    return argmax_chunk(logits + row * vocab, lo, hi);
+    return argmax_chunk(isa, logits + row * vocab, lo, hi);
   });
   for (int64_t b = 0; b < batch; ++b) {
     // unchecked inputs stay in bounds: counts clamped to [0, K]; a bad id never equals an argmax
@@ -199,7 +152,10 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
   const int64_t* pos = positions.data_ptr<int64_t>();
   int32_t* out = output_token_ids.data_ptr<int32_t>();
   int32_t* n_acc = num_accepted.data_ptr<int32_t>();
+  const CpuIsa isa = cpu_isa();
   std::fill(out, out + batch * k1, -1);
+  // unchecked inputs stay in bounds: counts clamped to [0, K]
+  auto drafted = [&](int64_t b) { return std::clamp<int64_t>(n_draft[b], 0, k); };
 
   if (method == AcceptMethod::kCoupled) {
     // Round i: every request still accepting races its target row i under
@@ -210,16 +166,19 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
       const auto best = reduce_rows_by_chunks(
           static_cast<int64_t>(active.size()), vocab, [&](int64_t a, int64_t lo, int64_t hi) {
             const int64_t b = active[a];
-            const float* row = p + (b * k1 + i) * vocab;
-            return race_chunk([row](int64_t v) { return row[v]; }, static_cast<uint64_t>(seed[b]), pos[b] + i,
-                              kPurposeTarget, lo, hi);
+            RaceRow row;
+            row.p = p + (b * k1 + i) * vocab;
+            row.seed = static_cast<uint64_t>(seed[b]);
+            row.position = pos[b] + i;
+            row.purpose = kPurposeTarget;
+            return race(isa, row, lo, hi);
           });
       std::vector<int64_t> still;
       for (size_t a = 0; a < active.size(); ++a) {
         const int64_t b = active[a];
         const int32_t winner = race_winner(best[a]);
         out[b * k1 + i] = winner;
-        if (i < std::clamp<int64_t>(n_draft[b], 0, k) && draft[b * k + i] == winner) {
+        if (i < drafted(b) && draft[b * k + i] == winner) {
           still.push_back(b);
         } else {
           n_acc[b] = static_cast<int32_t>(i);
@@ -232,73 +191,55 @@ void rejection_sample_cpu(const at::Tensor& target_probs, const std::optional<at
 
   // Phase 1: coins. first[b] = index of the first rejected draft, or n if all accepted.
   std::vector<int64_t> first(static_cast<size_t>(batch));
-  at::parallel_for(0, batch, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const int64_t n = std::clamp<int64_t>(n_draft[b], 0, k);  // unchecked inputs stay in bounds
-      int64_t i = 0;
-      for (; i < n; ++i) {
-        const int32_t x = draft[b * k + i];
-        if (x < 0 || x >= vocab) break;  // an out-of-range draft id is rejected, never read
-        const float p_x = p[(b * k1 + i) * vocab + x];
-        const float q_x = q ? q[(b * k + i) * vocab + x] : 1.0f;
-        const float u = uniform(static_cast<uint64_t>(seed[b]), pos[b] + i, kPurposeAccept, 0u);
-        if (!accept_draft(u, p_x, q_x)) break;
-        out[b * k1 + i] = x;
-      }
-      first[b] = i;
-      n_acc[b] = static_cast<int32_t>(i);
-    }
-  });
-
-  // Phase 2: one race per request over its residual row (rejected) or p_n
-  // (bonus), RESIDUAL noise at the emitted position. The same noise also races
-  // p itself: the fallback when the residual is all zero.
-  const int64_t chunks = num_chunks(vocab);
-  std::vector<uint64_t> partial(static_cast<size_t>(batch * chunks * 2), 0);
-  at::parallel_for(0, batch * chunks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / chunks;
-      const int64_t c = t % chunks;
-      const int64_t begin = c * kChunk;
-      const int64_t end = std::min(vocab, begin + kChunk);
-      const int64_t i = first[b];
-      const bool rejected = i < std::clamp<int64_t>(n_draft[b], 0, k);
-      const float* prow = p + (b * k1 + i) * vocab;
-      const uint64_t s = static_cast<uint64_t>(seed[b]);
-      if (!rejected) {
-        partial[2 * t] = race_chunk([prow](int64_t v) { return prow[v]; }, s, pos[b] + i, kPurposeResidual,
-                                    begin, end);
-        continue;
-      }
-      const int32_t x = draft[b * k + i];
-      const float* qrow = q ? q + (b * k + i) * vocab : nullptr;
-      uint64_t best_residual = 0;
-      uint64_t best_p = 0;
-      Philox4x32 block{};
-      for (int64_t v = begin; v < end; ++v) {
-        if (v == begin || (v & 3) == 0)
-          block = philox_block(s, pos[b] + i, kPurposeResidual, static_cast<uint32_t>(v));
-        const float pv = prow[v];
-        if (!(pv > 0.0f)) continue;  // residual max(p - q, 0) is 0 too
-        const float qv = qrow ? qrow[v] : (v == x ? 1.0f : 0.0f);
-        const float e = exponential_from_uniform(uniform_from_bits(block.v[v & 3]));
-        const float w = residual_weight(pv, qv);
-        best_residual = std::max(best_residual, race_candidate(w / e, static_cast<uint32_t>(v)));
-        best_p = std::max(best_p, race_candidate(pv / e, static_cast<uint32_t>(v)));
-      }
-      partial[2 * t] = best_residual;
-      partial[2 * t + 1] = best_p;
-    }
-  });
   for (int64_t b = 0; b < batch; ++b) {
-    uint64_t best_residual = 0, best_p = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      best_residual = std::max(best_residual, partial[2 * (b * chunks + c)]);
-      best_p = std::max(best_p, partial[2 * (b * chunks + c) + 1]);
+    const int64_t n = drafted(b);
+    int64_t i = 0;
+    for (; i < n; ++i) {
+      const int32_t x = draft[b * k + i];
+      if (x < 0 || x >= vocab) break;  // an out-of-range draft id is rejected, never read
+      const float p_x = p[(b * k1 + i) * vocab + x];
+      const float q_x = q ? q[(b * k + i) * vocab + x] : 1.0f;
+      const float u = uniform(static_cast<uint64_t>(seed[b]), pos[b] + i, kPurposeAccept, 0u);
+      if (!accept_draft(u, p_x, q_x)) break;
+      out[b * k1 + i] = x;
     }
-    const bool rejected = first[b] < std::clamp<int64_t>(n_draft[b], 0, k);
-    out[b * k1 + first[b]] = race_winner(rejected && best_residual == 0 ? best_p : best_residual);
+    first[b] = i;
+    n_acc[b] = static_cast<int32_t>(i);
   }
+
+  // Phase 2: one race per request, RESIDUAL noise at the emitted position, over
+  // the only row that is sampled: the residual max(p - q, 0) at the first
+  // rejection, or p_n (bonus) when every draft was accepted.
+  auto sampled_row = [&](int64_t b, bool residual) {
+    const int64_t i = first[b];
+    RaceRow row;
+    row.p = p + (b * k1 + i) * vocab;
+    row.seed = static_cast<uint64_t>(seed[b]);
+    row.position = pos[b] + i;
+    row.purpose = kPurposeResidual;
+    if (residual && i < drafted(b)) {
+      row.weights = q ? RaceWeights::kResidual : RaceWeights::kResidualOneHot;
+      row.q = q ? q + (b * k + i) * vocab : nullptr;
+      row.onehot = draft[b * k + i];
+    }
+    return row;
+  };
+  const auto best = reduce_rows_by_chunks(batch, vocab, [&](int64_t b, int64_t lo, int64_t hi) {
+    return race(isa, sampled_row(b, true), lo, hi);
+  });
+  // A residual that is all zero (q >= p everywhere, only by rounding) falls back
+  // to racing p itself under the same noise.
+  std::vector<int64_t> empty;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (best[b] == 0 && first[b] < drafted(b)) empty.push_back(b);
+    else out[b * k1 + first[b]] = race_winner(best[b]);
+  }
+  if (empty.empty()) return;
+  const auto fallback = reduce_rows_by_chunks(static_cast<int64_t>(empty.size()), vocab,
+                                              [&](int64_t e, int64_t lo, int64_t hi) {
+                                                return race(isa, sampled_row(empty[e], false), lo, hi);
+                                              });
+  for (size_t e = 0; e < empty.size(); ++e) out[empty[e] * k1 + first[empty[e]]] = race_winner(fallback[e]);
 }
 
 void sample_tokens_cpu(const at::Tensor& probs, const at::Tensor& seeds, const at::Tensor& positions,
@@ -309,9 +250,14 @@ void sample_tokens_cpu(const at::Tensor& probs, const at::Tensor& seeds, const a
   const int64_t* seed = seeds.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   int32_t* out = tokens.data_ptr<int32_t>();
+  const CpuIsa isa = cpu_isa();
   const auto best = reduce_rows_by_chunks(rows, vocab, [&](int64_t r, int64_t lo, int64_t hi) {
-    const float* row = p + r * vocab;
-    return race_chunk([row](int64_t v) { return row[v]; }, static_cast<uint64_t>(seed[r]), pos[r], purpose, lo, hi);
+    RaceRow row;
+    row.p = p + r * vocab;
+    row.seed = static_cast<uint64_t>(seed[r]);
+    row.position = pos[r];
+    row.purpose = purpose;
+    return race(isa, row, lo, hi);
   });
   for (int64_t r = 0; r < rows; ++r) out[r] = race_winner(best[r]);
 }

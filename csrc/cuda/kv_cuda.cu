@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -179,4 +180,25 @@ void write_kv_cuda(at::Tensor& cache, int64_t layer, const at::Tensor& k, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+namespace {
+
+// A CPU mapping (validated on the host by the op body) goes over through
+// pinned memory: an asynchronous H2D copy, no sync.
+void copy_blocks_cuda_any_mapping(const std::vector<at::Tensor>& caches, const at::Tensor& block_mapping) {
+  const at::Device device = caches[0].device();
+  if (block_mapping.device() == device) return copy_blocks_cuda(caches, block_mapping);
+  copy_blocks_cuda(caches, block_mapping.pin_memory().to(device, /*non_blocking=*/true));
+}
+
+}  // namespace
 }  // namespace specrt
+
+TORCH_LIBRARY_IMPL(specrt, CUDA, m) {
+  m.impl("copy_blocks", [](at::TensorList caches, const at::Tensor& block_mapping, bool check) {
+    specrt::copy_blocks_op(caches, block_mapping, check, &specrt::copy_blocks_cuda_any_mapping);
+  });
+  m.impl("write_kv", [](const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& slot_mapping, bool check) {
+    specrt::write_kv_op(cache, layer, k, v, slot_mapping, check, &specrt::write_kv_cuda);
+  });
+}

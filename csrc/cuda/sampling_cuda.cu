@@ -20,14 +20,16 @@
 //
 // No host synchronisation anywhere: seeds, positions, num_draft_tokens and
 // num_accepted are read on the device, so every op is CUDA-graph capturable.
-// Device inputs are NOT validated here (bindings.cpp does that on the host, or
-// in its debug mode); instead every data-dependent index is clamped/guarded so
-// bad ids never read or write out of bounds.
+// Device inputs are NOT validated here (the op bodies in bindings.cpp do that
+// on the host in debug mode); instead every data-dependent index is
+// clamped/guarded so bad ids never read or write out of bounds. The CUDA
+// registrations of the ops are at the end of this file.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -296,10 +298,12 @@ __device__ void select_digit_by_sum(ProbsShared& sh, double above_sum, float top
 //   thread: block-strided (float4 when kVec) over the row in every pass.
 //   passes (each reads the row once from global/L2):
 //     1. packed argmax of ordered_key(x) (NaN = -inf, ties -> lowest index);
-//        temperature 0 or a non-finite max: write the one-hot row and stop.
+//        a greedy temperature (is_greedy_temperature: 0 or below 1e-5) or a
+//        non-finite max: write the one-hot row and stop.
 //     2. top-k (0 < k < V): 4 radix passes (8-bit digits, 256 shared counters)
 //        find the k-th largest x/t; kept = x/t >= it (ties kept).
-//     3. S = sum(exp(x/t - m)) over kept (fixed-order block reduction).
+//     3. S = sum(exp(x/t - m)) over kept (fixed-order block reduction); min-p
+//        drops the numerators exp(x/t - m) < min_p (min_p_drops).
 //     4. probs = exp(x/t - m) / S (0 where not kept).
 //     5. top-p (< 1): 4 radix passes over the written probs with per-bin
 //        (sum, count) find tau = the largest p with sum(p' >= p) >= top_p
@@ -309,7 +313,7 @@ template <bool kVec>
 __global__ void __launch_bounds__(kProbsThreads)
     probs_from_logits_kernel(const float* __restrict__ logits, const float* __restrict__ temperature,
                              const int32_t* __restrict__ top_k, const float* __restrict__ top_p,
-                             float* probs, int64_t V) {
+                             const float* __restrict__ min_p, float* probs, int64_t V) {
   __shared__ ProbsShared sh;
   const int64_t row = blockIdx.x;
   const float* x = logits + row * V;
@@ -324,7 +328,7 @@ __global__ void __launch_bounds__(kProbsThreads)
   const float max_val = key_to_float(static_cast<uint32_t>(best >> 32));
   const int64_t argmax = unpack_argmax_index(best);
   const float t = temperature[row];
-  if (t == 0.0f || !isfinite(max_val)) {
+  if (is_greedy_temperature(t) || !isfinite(max_val)) {
     row_write<kVec>(out, V, [&](int64_t v) { return v == argmax ? 1.0f : 0.0f; });
     return;
   }
@@ -353,11 +357,14 @@ __global__ void __launch_bounds__(kProbsThreads)
     kth = key_to_float(prefix);
   }
   // NaN / t is NaN and NaN >= kth is false: NaN logits behave as -inf (dropped
-  // by top-k, exp -> 0 otherwise), exactly like the reference.
+  // by top-k, exp -> 0 otherwise), exactly like the reference. min-p drops the
+  // numerators below min_p (the largest is exp(0) = 1; specrt/sampling.h).
+  const float mp = min_p != nullptr ? min_p[row] : 0.0f;
   auto scaled_exp = [&](float val) -> float {
     const float xs = val / t;
     if (!(xs >= kth)) return 0.0f;  // masked to -inf by top-k (or NaN)
-    return expf(xs - m);            // exp(-inf) == 0
+    const float e = expf(xs - m);   // exp(-inf) == 0
+    return min_p_drops(e, mp) ? 0.0f : e;
   };
 
   // 3. softmax normaliser (double accumulation like the CPU kernel, then float)
@@ -709,7 +716,7 @@ unsigned finalize_blocks_for_warps(int64_t n) {
 }  // namespace
 
 void probs_from_logits_cuda(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                            const at::Tensor& top_p, at::Tensor& probs) {
+                            const at::Tensor& top_p, const at::Tensor& min_p, at::Tensor& probs) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const int64_t N = logits.size(0);
   const int64_t V = logits.size(1);
@@ -719,13 +726,14 @@ void probs_from_logits_cuda(const at::Tensor& logits, const at::Tensor& temperat
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
   const float* x = logits.data_ptr<float>();
   float* out = probs.data_ptr<float>();
+  const float* mp = min_p.defined() ? min_p.data_ptr<float>() : nullptr;
   const bool vec = vec_ok(V, {x, out});
   if (vec) {
     probs_from_logits_kernel<true><<<static_cast<unsigned>(N), kProbsThreads, 0, stream>>>(
-        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), out, V);
+        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), mp, out, V);
   } else {
     probs_from_logits_kernel<false><<<static_cast<unsigned>(N), kProbsThreads, 0, stream>>>(
-        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), out, V);
+        x, temperature.data_ptr<float>(), top_k.data_ptr<int32_t>(), top_p.data_ptr<float>(), mp, out, V);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -856,3 +864,28 @@ void sample_tokens_cuda(const at::Tensor& probs, const at::Tensor& seeds, const 
 }
 
 }  // namespace specrt
+
+TORCH_LIBRARY_IMPL(specrt, CUDA, m) {
+  using at::Tensor;
+  m.impl("probs_from_logits", [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
+                                 const Tensor& top_p, const std::optional<Tensor>& min_p, bool check) {
+    return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, min_p, check,
+                                        &specrt::probs_from_logits_cuda);
+  });
+  m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
+                             const Tensor& num_draft_tokens, bool check) {
+    return specrt::verify_greedy_op(target_logits, draft_token_ids, num_draft_tokens, check,
+                                    &specrt::verify_greedy_cuda);
+  });
+  m.impl("rejection_sample",
+         [](const Tensor& target_probs, const std::optional<Tensor>& draft_probs, const Tensor& draft_token_ids,
+            const Tensor& num_draft_tokens, const Tensor& seeds, const Tensor& positions, std::string method,
+            bool check) {
+           return specrt::rejection_sample_op(target_probs, draft_probs, draft_token_ids, num_draft_tokens, seeds,
+                                              positions, method, check, &specrt::rejection_sample_cuda);
+         });
+  m.impl("sample_tokens",
+         [](const Tensor& probs, const Tensor& seeds, const Tensor& positions, int64_t purpose, bool check) {
+           return specrt::sample_tokens_op(probs, seeds, positions, purpose, check, &specrt::sample_tokens_cuda);
+         });
+}

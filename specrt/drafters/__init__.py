@@ -1,14 +1,19 @@
-"""Drafters propose K tokens per request for the target to verify.
+"""Drafters propose K tokens per request for the target to verify; one module per kind, one
+interface (``base.Drafter``), one factory reading the ``draft=`` argument (``factory``).
 
-- ``model``: a separate small model sharing the target's vocabulary (its own KV cache,
-  same block tables as the target).
+- ``model``: a separate small model sharing the target's vocabulary (its own KV cache, same
+  block tables as the target), including its catch-up and the overlap pre-draft;
+- ``self_draft``: ``self:N``, the target's first N layers plus its final norm and head, reading
+  and writing the target's own KV cache for those layers;
 - ``ngram``: prompt lookup in the request's own context; no model.
-- ``self:N``: the target's first N layers plus its final norm and head, reading and
-  writing the target's own KV cache for those layers (nothing duplicated).
-
-The drafting loop itself lives in specrt.engine (it shares the engine's batch state);
-this package holds what is specific to each kind.
 """
-from specrt.drafters.ngram import NgramProposer
+from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft,
+                                  PreLength, StopRule, no_drafts)
+from specrt.drafters.factory import make_drafter
+from specrt.drafters.model import ModelDrafter, module_bytes
+from specrt.drafters.ngram import NgramDrafter, NgramProposer, NgramState
+from specrt.drafters.self_draft import SelfDrafter
 
-__all__ = ["NgramProposer"]
+__all__ = ["DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "Drafter", "ModelDrafter", "NgramDrafter",
+           "NgramProposer", "NgramState", "PreDraft", "PreLength", "SelfDrafter", "StopRule", "make_drafter", "module_bytes",
+           "no_drafts"]

@@ -2,12 +2,18 @@
 latest earlier occurrence of the context's last n tokens (n from max_n down to
 min_n). Deterministic, so its draft distribution is one-hot (draft_probs=None).
 
-With a per-request ``state`` dict, ``propose`` keeps an index of the n-grams it has
+With a per-request ``NgramState``, ``propose`` keeps an index of the n-grams it has
 seen (the latest start of each), extended by the tokens appended since the last call:
 a proposal is then a few dict lookups instead of a scan of the whole context, which
 the engine needs because it asks for every running request on every step.
 """
 from __future__ import annotations
+
+import time
+
+import torch
+
+from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal, StopRule
 
 
 class _Index:
@@ -18,6 +24,16 @@ class _Index:
         self.latest = {n: {} for n in range(min_n, max_n + 1)}   # n -> {n-gram: latest start}
 
 
+class NgramState:
+    """One request's n-gram index and what its last proposal matched."""
+
+    __slots__ = ("index", "match_n")
+
+    def __init__(self):
+        self.index: _Index | None = None
+        self.match_n: int | None = None    # suffix length the last proposal matched (0: none)
+
+
 class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not (1 <= min_n <= max_n):
@@ -25,21 +41,20 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, context: list[int], k: int, state: dict | None = None) -> list[int]:
+    def propose(self, context: list[int], k: int, state: NgramState | None = None) -> list[int]:
         """Up to k tokens following the latest earlier match of the last n tokens.
-        ``state``: a dict owned by the request whose growing context this is (kept between
-        calls). The context must grow by appending; one that got shorter, or whose first, middle
-        or last indexed token changed, rebuilds the index (spot checks, O(1): a full comparison
-        would cost more than the proposal at long contexts). An unrelated context needs its own
-        state."""
+        ``state``: owned by the request whose growing context this is (kept between calls). The
+        context must grow by appending; one that got shorter, or whose first, middle or last
+        indexed token changed, rebuilds the index (spot checks, O(1): a full comparison would
+        cost more than the proposal at long contexts). An unrelated context needs its own state."""
         if k <= 0:
             return []
         if state is None:
             return self._scan(context, k)
         length = len(context)
-        idx = state.get("ngram")
+        idx = state.index
         if idx is None or not self._extends(context, idx.tokens):
-            idx = state["ngram"] = _Index(self.min_n, self.max_n)
+            idx = state.index = _Index(self.min_n, self.max_n)
         # index every n-gram that ends before the last position (the suffix itself is not a match)
         end = length - 1
         done = len(idx.tokens)
@@ -52,9 +67,9 @@ class NgramProposer:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             start = idx.latest[n].get(tuple(context[length - n:]))
             if start is not None:
-                state["match_n"] = n      # how long a suffix matched: the budget policy's evidence class
+                state.match_n = n         # how long a suffix matched: the budget policy's evidence class
                 return context[start + n:start + n + k]
-        state["match_n"] = 0
+        state.match_n = 0
         return []
 
     @staticmethod
@@ -76,3 +91,45 @@ class NgramProposer:
                 if context[start:start + n] == suffix:
                     return context[start + n:start + n + k]
         return []
+
+
+class NgramDrafter(Drafter):
+    """Drafts each request's n-gram proposal. A proposal costs microseconds, so ``limit`` makes
+    it before planning: the policy then knows which requests have one and how long (their
+    caps), and the drafts are its prefixes."""
+
+    name = "ngram"
+    caps_vary = True
+
+    def __init__(self, proposer: NgramProposer, device):
+        self.proposer = proposer
+        self.device = device
+
+    def _propose(self, r, k: int) -> list[int]:
+        if r.drafter_state is None:
+            r.drafter_state = NgramState()
+        prop = self.proposer.propose(r.token_ids, k, r.drafter_state)
+        r.evidence_class = r.drafter_state.match_n
+        return prop
+
+    def limit(self, batch, caps: list[int]) -> DraftLimits:
+        known = {r.request_id: self._propose(r, c) for r, c in zip(batch, caps)}
+        return DraftLimits([len(known[r.request_id]) for r in batch], known)
+
+    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
+                pre_length=None) -> DraftProposal:
+        B = len(batch)
+        kmax = max(ks) if ks else 0
+        ids = torch.full((B, kmax), -1, dtype=torch.int32)
+        if kmax == 0:
+            return DraftProposal(ids.to(self.device), [0] * B, None, None)
+        t0 = time.perf_counter()
+        known = limits.known if limits is not None else {}
+        n = []
+        for b, r in enumerate(batch):
+            prop = known.get(r.request_id)
+            prop = self._propose(r, ks[b]) if prop is None else prop[:ks[b]]
+            ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
+            n.append(len(prop))
+        return DraftProposal(ids.to(self.device), n, None, None,
+                             DraftCost(time.perf_counter() - t0, forwards=kmax, tokens_fed=sum(n)))

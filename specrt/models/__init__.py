@@ -1,15 +1,20 @@
-"""Llama-family models (Llama, Qwen2, Mistral) from local Hugging Face folders."""
+"""Llama-family models (Llama, Qwen2, Mistral) from local Hugging Face folders and GGUF files."""
 from specrt.models.config import ModelConfig, check_prompt_length
+from specrt.models.gguf import GGUFModel, QuantBlocks, convert_gguf, is_gguf, open_gguf
 from specrt.models.llama import LlamaForCausalLM
 from specrt.models.loader import (
     check_draft_compatible,
     check_dtype_supported,
+    load_config,
     load_generation_config,
     load_model,
+    load_tokenizer,
 )
-from specrt.models.tokenizer import Tokenizer, load_tokenizer
+from specrt.models.registry import NAMED_MODELS, resolve_model
+from specrt.models.tokenizer import Tokenizer
 
 __all__ = [
-    "ModelConfig", "check_prompt_length", "LlamaForCausalLM", "load_model", "load_tokenizer",
+    "ModelConfig", "check_prompt_length", "LlamaForCausalLM", "load_model", "load_config", "load_tokenizer",
     "load_generation_config", "check_draft_compatible", "check_dtype_supported", "Tokenizer",
+    "GGUFModel", "QuantBlocks", "open_gguf", "is_gguf", "convert_gguf", "resolve_model", "NAMED_MODELS",
 ]

@@ -5,29 +5,31 @@ Module and parameter names mirror transformers (``model.layers.0.self_attn.q_pro
 (RMSNorm in fp32, RoPE cos/sin in fp32 cast to the activation dtype, lm_head in the
 model dtype, logits returned as float32), so fp32 logits match to ~1e-6.
 
-Attention is the torch path: K/V are written with ``write_kv`` and read back through the
-block table, then ``F.scaled_dot_product_attention`` with the right causal offsets. Per
-forward the requests split into three groups (decided from host-side lengths, no
-device->host sync):
-  * fresh prefills (no earlier context): attend over their own new K/V, ``is_causal``;
-  * everything else (decode, K+1 verify, chunks after a cached prefix): ONE padded batch
-    ``[B, max_q]`` x ``[B, max_ctx]`` with a boolean mask — except chunks longer than
-    _LONG_QUERY tokens that would make the padded batch > 4x the useful work: those run
-    alone (one gather + SDPA each); and a verify that mixes one-query requests (nothing
-    drafted) with K+1-query ones, when padding would be most of the work, runs as two
-    batches (one-query, multi-query).
-  * decode fast path: when every request has one query at the same length (always at batch 1)
-    the keys are cut to exactly the context and SDPA runs without a mask.
-K and V of all the blocks a batch reads are fetched with ONE ``index_select`` per layer.
+Attention (specrt.models.attention_path): decode and K+1 verify rows attend with the paged-attention
+kernel straight over the cache blocks; prefills use SDPA.
 
-CPU overhead (a decode step of a small model is dominated by per-op costs, not FLOPs):
-q/k/v and gate/up are fused into one GEMM each (``prepare``: the fused tensor is the storage
+Projections (specrt.models.linear): decode / verify rows (<= 128 by default) run on specrt's
+small-M kernel — one pass over the weights for all rows, and the same reduction order for any
+row count, so a verify row equals the decode of that token bit for bit (greedy speculative
+output then equals autoregressive output in bf16 too); prefill runs on torch's GEMM; quantized
+layers (QuantLinear) always run quantized. ``set_linear_kernel(0)`` switches the kernel off.
+
+CPU overhead (a decode step is dominated by per-op costs, not FLOPs, outside the projections):
+q/k/v and gate/up are fused into one projection each (``prepare``: the fused tensor is the storage
 of the original parameters, so state_dict names and memory are unchanged — note safetensors'
-``save_file`` refuses such shared storage: ``.clone()`` the tensors first); RoPE reads cos/sin
-rows from a table indexed by position and rotates q and k together (roll + addcmul); RMSNorm
-takes sum(x^2) from one ``vector_norm``; layers are called as plain methods (no nn.Module
-``__call__``). Tensor parallelism (specrt.models.tp) swaps in row-/vocab-parallel modules
-that this file calls like any other module.
+``save_file`` refuses such shared storage: ``.clone()`` the tensors first), and on the CPU every
+projection's weights then move into one huge-page arena in the order a forward reads them
+(``linear.pack_projections``: one sequential stream instead of 121 separate ones). On the CPU, float32 /
+bfloat16 models then run each layer as ~9 kernels (``_forward_fused``): the residual add fused
+into the next RMSNorm (``ops.rms_norm(residual=)``), RoPE on q and k plus the KV-cache store in one
+pass (``ops.rotary_write_kv``), SwiGLU's silu * up (``ops.silu_mul``); the residual stream stays
+in the model dtype and every op rounds where transformers' modules do, so a bf16 model sees
+transformers' values (float32 differs by ulps: reduction orders, silu's exp).
+``set_fused_ops(False)``, GPUs and float16 run the op-by-op torch path (``LlamaDecoderLayer.forward``):
+RoPE from a cos/sin table indexed by position on q and k together (roll + addcmul), RMSNorm's
+sum(x^2) from one ``vector_norm``. Layers are called as plain methods (no nn.Module ``__call__``).
+Tensor parallelism (specrt.models.tp) swaps in row-/vocab-parallel modules that this file calls
+like any other module.
 """
 from __future__ import annotations
 
@@ -37,10 +39,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrt.kv_cache import AttentionMetadata, write_kv
+from specrt import ops
+from specrt.attention import AttentionMetadata, write_kv
+from specrt.models.attention_path import kernel_batch, paged_attention, paged_attention_sdpa  # noqa: F401
 from specrt.models.config import ModelConfig
+from specrt.models.linear import (KernelPolicy, QuantEmbedding, QuantLinear, fuse_linears, pack_projections,
+                                  prepare_linear)
 
-_LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan)
+_NORM = torch.ops.specrt.rms_norm.default
+_ADD_NORM = torch.ops.specrt.add_rms_norm_.default
+_ROTARY = torch.ops.specrt.rotary_write_kv.default
+_SILU_MUL = torch.ops.specrt.silu_mul.default
+_PAGED_ATTENTION = torch.ops.specrt.paged_attention.default
 
 _ACTS = {
     "silu": F.silu,
@@ -134,11 +144,6 @@ class RotaryEmbedding:
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rope_operands(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, D] -> (cos [T, 1, D], sin with its first half negated [T, 1, D]), once per forward,
     so that ``rotate_half(x) * sin == roll(x, D/2) * signed_sin`` exactly (negation is exact)."""
@@ -155,224 +160,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * signed_sin
 
 
-# ----------------------------------------------------------------------------- attention plan
-class _Group:
-    """Requests attended as ONE padded batch [B, max_q] x [B, ctx] (one gather, one SDPA)."""
-
-    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool):
-        qls, sls = meta.query_lens_host, meta.seq_lens_host
-        bs = meta.block_size
-        dev = meta.seq_lens.device
-        self.members = members
-        self.max_q = max(qls[b] for b in members)
-        self.max_s = max(sls[b] for b in members)
-        self.num_blocks = -(-self.max_s // bs)
-        if whole:
-            self.rows = None  # every row, in order
-            self.req = meta.token_request_ids
-            self.qi = meta.token_query_idx
-            self.block_tables = meta.block_tables[:, : self.num_blocks]
-            q_lens, s_lens = meta.query_lens, meta.seq_lens
-        else:
-            rows, req, qi = [], [], []
-            for j, b in enumerate(members):
-                rows.extend(range(starts[b], starts[b] + qls[b]))
-                req.extend([j] * qls[b])
-                qi.extend(range(qls[b]))
-
-            def t(x):
-                return torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
-
-            self.rows, self.req, self.qi = t(rows), t(req), t(qi)
-            sel = t(members)
-            self.block_tables = meta.block_tables[sel, : self.num_blocks]
-            q_lens, s_lens = t([qls[b] for b in members]), t([sls[b] for b in members])
-        self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
-        self._q_lens, self._s_lens, self._ctx, self._dev = q_lens, s_lens, self.num_blocks * bs, dev
-        # decode fast path: one query per request at the same length -> keys [0, s) need no mask
-        self.uniform_decode = self.max_q == 1 and all(sls[b] == self.max_s for b in members)
-        self._masks: dict = {}
-
-    def batched_mask(self, window: int | None) -> torch.Tensor | None:
-        """[B, 1, max_q, ctx] mask of the padded batch; None when keys are cut to [0, max_s) instead."""
-        if self.uniform_decode and (window is None or window >= self.max_s):
-            return None
-        if window not in self._masks:
-            i = torch.arange(self.max_q, device=self._dev)
-            s_lens, q_lens = self._s_lens, self._q_lens
-            # position of query i of request b; padded query rows reuse the last position (never fully masked)
-            qp = torch.minimum((s_lens - q_lens)[:, None] + i, (s_lens - 1)[:, None])[:, :, None]  # [B, max_q, 1]
-            k_pos = torch.arange(self._ctx, device=self._dev)
-            m = k_pos <= qp  # [B, max_q, ctx]
-            if window is not None:
-                m = m & (k_pos > qp - window)
-            self._masks[window] = m[:, None]  # [B, 1, max_q, ctx]
-        return self._masks[window]
-
-
-class _Plan:
-    """How one AttentionMetadata's requests are grouped (host lists only; built once per call)."""
-
-    def __init__(self, meta: AttentionMetadata):
-        meta.ensure_derived()
-        qls, sls = meta.query_lens_host, meta.seq_lens_host
-        starts = [0]
-        for q in qls:
-            starts.append(starts[-1] + q)
-        self.fresh: list[tuple[int, int, int]] = []  # (request, row start, q)
-        self.long: list[tuple[int, int, int, int]] = []  # (request, row start, q, seq_len)
-        rest: list[int] = []
-        for b, (q, s) in enumerate(zip(qls, sls)):
-            if q == s and q > 1:
-                self.fresh.append((b, starts[b], q))
-            else:
-                rest.append(b)
-        # pad the rest into one batch unless a long chunk would mostly pad it: then it runs alone
-        rest.sort(key=lambda b: qls[b])
-        while len(rest) > 1 and qls[rest[-1]] > _LONG_QUERY:
-            padded = len(rest) * qls[rest[-1]] * max(sls[b] for b in rest)
-            useful = sum(qls[b] * sls[b] for b in rest)
-            if padded <= 4 * useful:
-                break
-            b = rest.pop()
-            self.long.append((b, starts[b], qls[b], sls[b]))
-        self.num_rows = starts[-1]
-        self.groups: list[_Group] = []
-        if rest:
-            # a verify step mixes one-query requests (nothing drafted) with K+1-query ones: padded
-            # together, every one-query request would attend max_q rows; split in two batches
-            # when that padding is most of the work (a second SDPA costs less than that)
-            one = sorted(b for b in rest if qls[b] == 1)
-            multi = sorted(b for b in rest if qls[b] > 1)
-            if one and multi and len(rest) * qls[rest[-1]] > 2 * sum(qls[b] for b in rest):
-                self.groups = [_Group(meta, one, starts, False), _Group(meta, multi, starts, False)]
-            else:
-                members = sorted(rest)
-                self.groups = [_Group(meta, members, starts, len(members) == len(qls))]
-        self.all_batched = len(self.groups) == 1 and self.groups[0].rows is None
-        self._masks: dict = {}
-
-    def mask(self, key, q: int, s: int, window: int | None, device) -> torch.Tensor | None:
-        """[q, s] mask for queries at positions s-q..s-1 over keys 0..s-1 (None = plain causal, q == s)."""
-        if window is None and q == s:
-            return None
-        key = (key, window)
-        if key not in self._masks:
-            qp = torch.arange(s - q, s, device=device)[:, None]
-            kp = torch.arange(s, device=device)
-            m = kp <= qp
-            if window is not None:
-                m = m & (kp > qp - window)
-            self._masks[key] = m
-        return self._masks[key]
-
-
-def _plan(meta: AttentionMetadata) -> _Plan:
-    plan = meta.scratch.get("llama_plan")
-    if plan is None:
-        plan = meta.scratch["llama_plan"] = _Plan(meta)
-    return plan
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-    """Attention of the new tokens over their requests' paged context.
-
-    q [T, H, D]; k/v [T, Hkv, D] (this call's, already written to the cache);
-    layer_cache [2, num_blocks, block_size, Hkv, D]. Returns [T, H, D].
-    """
-    plan = _plan(meta)
-    T, H, D = q.shape
-    Hkv = k.shape[1]
-    bs = layer_cache.shape[2]
-    gqa = H != Hkv
-    if T > plan.num_rows:  # trailing padding rows (slot -1) belong to no request: zeros
-        out = q.new_zeros(T, H, D)
-    elif plan.all_batched and not plan.fresh and not plan.long:
-        out = None
-    else:
-        out = q.new_empty(T, H, D)
-
-    for b, start, n in plan.fresh:  # [1, H, n, D] over its own new K/V
-        qs = q[start:start + n].transpose(0, 1)[None]
-        ks = k[start:start + n].transpose(0, 1)[None]
-        vs = v[start:start + n].transpose(0, 1)[None]
-        m = plan.mask(("fresh", b), n, n, window, q.device)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m, is_causal=m is None, scale=scale, enable_gqa=gqa)
-        out[start:start + n] = o[0].transpose(0, 1)
-
-    for b, start, n, s in plan.long:  # one request: gather its blocks
-        nb = -(-s // bs)
-        blocks = meta.block_tables[b, :nb].long()
-        kc = layer_cache[0, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
-        vc = layer_cache[1, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
-        qs = q[start:start + n].transpose(0, 1)[None]
-        m = plan.mask(("long", b), n, s, window, q.device)
-        o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=m, scale=scale, enable_gqa=gqa)
-        out[start:start + n] = o[0].transpose(0, 1)
-
-    for g in plan.groups:
-        Bg, nb = g.block_tables.shape
-        mask = g.batched_mask(window)
-        # ONE gather of K and V (index_select of whole blocks: ~4x cheaper than advanced indexing)
-        NB = layer_cache.shape[1]
-        kv = layer_cache.view(2, NB, bs * Hkv * D).index_select(1, g.block_tables.view(-1))
-        kv = kv.view(2, Bg, nb * bs, Hkv, D)
-        if mask is None:
-            kv = kv[:, :, :g.max_s]  # uniform decode: exactly the context, no mask
-        kv = kv.to(q.dtype).transpose(2, 3)  # [2, B, Hkv, ctx, D]
-        q_rows = q if g.rows is None else q[g.rows]
-        if g.rows is None and T > plan.num_rows:
-            q_rows = q[: plan.num_rows]
-        if g.max_q == 1:
-            qp = q_rows.view(Bg, 1, H, D)
-        else:
-            qp = q.new_zeros(Bg, g.max_q, H, D)
-            qp[g.req, g.qi] = q_rows
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kv[0], kv[1], attn_mask=mask,
-                                           scale=scale, enable_gqa=gqa).transpose(1, 2)  # [B, max_q, H, D]
-        o_rows = o.reshape(Bg, H, D) if g.max_q == 1 else o[g.req, g.qi]
-        if out is None:
-            return o_rows
-        if g.rows is None:
-            out[: plan.num_rows] = o_rows
-        else:
-            out[g.rows] = o_rows
-    return out
-
-
 # ----------------------------------------------------------------------------- modules
-def _fuse_linears(*lins: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Concatenate nn.Linear weights along the output dim into one [sum(out), in] tensor and rebind
-    each module's weight (and bias) as a view of it: one GEMM instead of several, no extra memory,
-    state_dict names unchanged, in-place updates (load_state_dict) still land in the fused tensor.
-    None when any module is not a plain nn.Linear (e.g. sharded by other code)."""
-    if not all(type(m) is nn.Linear for m in lins) or len({m.weight.dtype for m in lins}) != 1:
-        return None
-    w = torch.cat([m.weight.detach() for m in lins])
-    has_bias = [m.bias is not None for m in lins]
-    b = None
-    if any(has_bias):
-        b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in lins])
-    start = 0
-    for m in lins:
-        n = m.out_features
-        m.weight = nn.Parameter(w[start:start + n], requires_grad=False)
-        if m.bias is not None:
-            m.bias = nn.Parameter(b[start:start + n], requires_grad=False)
-        start += n
-    return w, b
-
-
-def _linear_fn(m: nn.Module):
-    """A plain nn.Linear's (weight, bias) for F.linear, else the module itself (called as is)."""
-    return (m.weight, m.bias) if type(m) is nn.Linear else m
-
-
-def _apply_linear(fn, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, fn[0], fn[1]) if type(fn) is tuple else fn(x)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -381,23 +169,24 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = config.layer_window(layer_idx)
         self.attn_fp32 = True  # LlamaForCausalLM.set_attention_fp32 toggles it
+        self.attn_backend = "kernel"  # LlamaForCausalLM.set_attention_backend toggles it
         hd = config.hidden_size
         self.q_proj = nn.Linear(hd, self.num_heads * self.head_dim, bias=config.attention_bias)
         self.k_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hd, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hd, bias=config.o_proj_bias)
-        self._qkv = None  # (weight, bias) fused by LlamaForCausalLM.prepare(); None: separate projections
+        self._qkv = None  # fused q/k/v callable from LlamaForCausalLM.prepare(); None: separate projections
 
-    def prepare(self) -> None:
-        self._qkv = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self._o = _linear_fn(self.o_proj)
+    def prepare(self, policy: KernelPolicy) -> None:
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, policy=policy)
+        self._o = prepare_linear(self.o_proj, policy)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; cos / sin [T, 1, D] from rope_operands (sin's first half negated)."""
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self._qkv is not None:
-            qkv = F.linear(x, self._qkv[0], self._qkv[1])  # [T, (H + 2 Hkv) D]
+            qkv = self._qkv(x)  # [T, (H + 2 Hkv) D]
             # RoPE on q and k at once (adjacent in the fused output)
             qk = _apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # [T, H + Hkv, D]
             q, k = qk[:, :H], qk[:, H:]
@@ -408,14 +197,15 @@ class LlamaAttention(nn.Module):
             k = self.k_proj(x).view(T, Hkv, D)  # [T, Hkv, D]
             v = self.v_proj(x).view(T, Hkv, D)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-            o_proj = _linear_fn(self.o_proj)
+            o_proj = self._o
         write_kv(kv_cache, self.layer_idx, k, v, meta.slot_mapping)
         if self.attn_fp32 and q.dtype != torch.float32:
             # fp32 attention for half models: more accurate, and (nearly) independent of how the batch
             # is padded, so verify / decode / batched logits agree (greedy speculative == plain greedy)
             q, k, v = q.float(), k.float(), v.float()
-        o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window)  # [T, H, D]
-        return _apply_linear(o_proj, o.to(x.dtype).reshape(T, H * D))
+        o = paged_attention(q, k, v, kv_cache[self.layer_idx], meta, self.scale, self.window,
+                            self.attn_backend)  # [T, H, D]
+        return o_proj(o.to(x.dtype).reshape(T, H * D))
 
 
 class LlamaMLP(nn.Module):
@@ -426,17 +216,17 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(hd, it, bias=bias)
         self.down_proj = nn.Linear(it, hd, bias=bias)
         self.act = _ACTS[config.hidden_act]
-        self._gate_up = None  # (weight, bias) fused by LlamaForCausalLM.prepare()
+        self._gate_up = None  # fused gate/up callable from LlamaForCausalLM.prepare()
 
-    def prepare(self) -> None:
-        self._gate_up = _fuse_linears(self.gate_proj, self.up_proj)
-        self._down = _linear_fn(self.down_proj)
+    def prepare(self, policy: KernelPolicy) -> None:
+        self._gate_up = fuse_linears(self.gate_proj, self.up_proj, policy=policy)
+        self._down = prepare_linear(self.down_proj, policy)
 
     def forward(self, x):
         if self._gate_up is not None:
-            gu = F.linear(x, self._gate_up[0], self._gate_up[1])  # [T, 2 I]
+            gu = self._gate_up(x)  # [T, 2 I]
             n = gu.shape[-1] // 2
-            return _apply_linear(self._down, self.act(gu[..., :n]) * gu[..., n:])
+            return self._down(self.act(gu[..., :n]) * gu[..., n:])
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -448,9 +238,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def prepare(self) -> None:
-        self.self_attn.prepare()
-        self.mlp.prepare()
+    def prepare(self, policy: KernelPolicy) -> None:
+        self.self_attn.prepare(policy)
+        self.mlp.prepare(policy)
         self._norms = (self.input_layernorm.weight, self.input_layernorm.eps,
                        self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
 
@@ -459,6 +249,45 @@ class LlamaDecoderLayer(nn.Module):
         w1, eps1, w2, eps2 = self._norms
         x = x + self.self_attn.forward(rms_norm(x, w1, eps1), cos, sin, meta, kv_cache)
         return x + self.mlp.forward(rms_norm(x, w2, eps2))
+
+    def fusable(self, dtype: torch.dtype) -> bool:
+        """Whether forward_fused can run this (prepared) layer with activations in ``dtype``."""
+        attn, mlp = self.self_attn, self.mlp
+        return (attn._qkv is not None and mlp._gate_up is not None
+                and self.input_layernorm.weight.dtype == dtype == self.post_attention_layernorm.weight.dtype)
+
+    def forward_fused(self, residual, delta, cos, sin, meta, kv_cache, layer_cache, kernel_batch):
+        """The CPU fused path: ``residual`` [T, hidden] += ``delta`` (the previous layer's output, None
+        for the first layer) in place; returns this layer's output delta [T, hidden].
+
+        cos / sin [T, D] as RotaryEmbedding.cos_sin gives them; layer_cache = kv_cache[layer];
+        kernel_batch: attention_path.kernel_batch(meta) (None: the general attention path)."""
+        w1, eps1, w2, eps2 = self._norms
+        attn, mlp = self.self_attn, self.mlp
+        h = _NORM(residual, w1, eps1) if delta is None else _ADD_NORM(residual, delta, w1, eps1)  # [T, hidden]
+        qkv = attn._qkv(h)  # [T, (H + 2 Hkv) D]
+        T, dtype = qkv.shape[0], qkv.dtype
+        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        # RoPE on q (returned, float32 for fp32 attention) and k (in place); k and v stored in the cache
+        q = _ROTARY(qkv, cos, sin, H, Hkv, kv_cache, attn.layer_idx, meta.slot_mapping,
+                    torch.float32 if attn.attn_fp32 else None)  # [T, H, D]
+        if kernel_batch is not None and attn.attn_backend == "kernel" and q.dtype == torch.float32:
+            kb = kernel_batch
+            o = _PAGED_ATTENTION(q, layer_cache, kb.block_tables, kb.seq_lens, kb.query_start_loc, attn.scale,
+                                 attn.window or 0, kb.max_q, kb.max_s, True)  # [T, H, D] float32
+        else:
+            k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+            o = paged_attention(q, k, v, layer_cache, meta, attn.scale, attn.window, attn.attn_backend)
+        o = o.view(T, H * D) if o.dtype == dtype else o.to(dtype).view(T, H * D)
+        h = _ADD_NORM(residual, attn._o(o), w2, eps2)  # residual += attention output
+        gu = mlp._gate_up(h)  # [T, 2 I]
+        if mlp.act is F.silu:
+            a = _SILU_MUL(gu)  # [T, I]
+        else:
+            i = gu.shape[1] // 2
+            a = mlp.act(gu[:, :i]) * gu[:, i:]
+        return mlp._down(a)
 
 
 class LlamaModel(nn.Module):
@@ -480,19 +309,67 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
+        self.linear_policy = KernelPolicy()  # shared by every prepared projection (set_linear_kernel)
+        self.fused_ops = True  # set_fused_ops
         self._prepared = False
+        self._fused = False  # prepare(): whether forward runs _forward_fused
 
     # -- fast path: fused q/k/v and gate/up weights, cached weight references (built lazily)
     def prepare(self) -> "LlamaForCausalLM":
-        """Fuse q/k/v and gate/up into single GEMMs and cache per-layer weight references.
+        """Fuse q/k/v and gate/up into single projections and cache per-layer callables
+        (specrt.models.linear: the small-M kernel for decode / verify rows, torch's GEMM for prefill).
         Runs lazily at the first forward; anything that replaces parameters or modules
         (``.to()``, ``load_state_dict(assign=True)``, tensor-parallel sharding) invalidates it."""
         for layer in self.model.layers:
-            layer.prepare()
+            layer.prepare(self.linear_policy)
+        self._lm_head = prepare_linear(self.lm_head, self.linear_policy)
+        if self.device.type == "cpu":  # the weights in the order a forward streams them, in one arena
+            order = [fn for layer in self.model.layers for fn in (layer.self_attn._qkv, layer.self_attn._o,
+                                                                   layer.mlp._gate_up, layer.mlp._down)]
+            pack_projections(order + [self._lm_head], self)
+        dtype = self.dtype
+        self._fused = (self.fused_ops and self.device.type == "cpu" and dtype in ops.FUSED_DTYPES
+                       and all(layer.fusable(dtype) for layer in self.model.layers))
         self._prepared = True
         return self
 
-    def _invalidate_fast_path(self) -> None:
+    def set_fused_ops(self, enabled: bool) -> None:
+        """True (default): on the CPU, float32 / bfloat16 models run each layer on the fused kernels
+        (module docstring); False: the op-by-op torch path everywhere (for comparisons)."""
+        self.fused_ops = bool(enabled)
+        self._prepared = False
+
+    def set_linear_kernel(self, max_rows: int) -> None:
+        """Projections of at most ``max_rows`` rows (tokens) run on specrt's small-M kernel (default
+        SMALL_M = 128); 0 runs every projection on torch's path (F.linear, and torch's int8 / dequantize for
+        quantized layers). Greedy bf16 speculative output equals autoregressive output only with it."""
+        if not isinstance(max_rows, int) or max_rows < 0:
+            raise ValueError(f"max_rows must be an integer >= 0, got {max_rows!r}")
+        self.linear_policy.max_rows = max_rows
+
+    def projections(self) -> list[tuple[str, object]]:
+        """The prepared projection callables a forward runs, in order, as (kind, fn) with kind
+        "hidden" (input [T, hidden]) or "intermediate" (input [T, intermediate]); the LM head last.
+        For benchmarks that time the kernels' share of a forward."""
+        self.prepare()
+        calls = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = [a._qkv] if a._qkv is not None else [a.q_proj, a.k_proj, a.v_proj]
+            gate_up = [m._gate_up] if m._gate_up is not None else [m.gate_proj, m.up_proj]
+            calls += [("hidden", fn) for fn in qkv + [a._o] + gate_up] + [("intermediate", m._down)]
+        return calls + [("hidden", self._lm_head)]
+
+    def set_int8_activations(self, enabled: bool) -> None:
+        """Opt-in: quantized layers quantize their input to int8 per row and block of 32 and multiply
+        in integers (``ops.quant_linear_dynamic``, AVX-512-VNNI): faster decoding of int8 / GGUF-format
+        weights, at the price of the activation rounding (logits move by ~0.5%). Verify == decode
+        and batch invariance still hold; float projections are unaffected."""
+        self.linear_policy.int8_activations = bool(enabled)
+
+    def invalidate_prepared(self) -> None:
+        """Forget the prepared fast path (fused projections, weight arena); call after replacing a
+        layer module (quantizing, sharding), so the next forward prepares again."""
         self._prepared = False
 
     def _apply(self, fn, *args, **kwargs):
@@ -505,11 +382,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activation dtype (quantized weights keep their own)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def set_attention_fp32(self, enabled: bool) -> None:
         """bf16/fp16 models compute attention in float32 by default (see LlamaAttention.forward);
@@ -517,8 +395,18 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.attn_fp32 = enabled
 
+    def set_attention_backend(self, backend: str) -> None:
+        """"kernel" (default): decode / verify attention with the paged-attention kernel; "sdpa": the
+        gather + SDPA torch path for every call (the reference; what benchmarks compare against)."""
+        if backend not in ("kernel", "sdpa"):
+            raise ValueError(f"backend must be 'kernel' or 'sdpa', got {backend!r}")
+        for layer in self.model.layers:
+            layer.self_attn.attn_backend = backend
+
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # a quantized head / embedding already shares one quantized matrix (quant.quantize_model_)
+        if self.config.tie_word_embeddings and not isinstance(self.lm_head, QuantLinear) \
+                and not isinstance(self.model.embed_tokens, QuantEmbedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
@@ -552,7 +440,7 @@ class LlamaForCausalLM(nn.Module):
                              f"{exp[0]}, {exp[1]}]")
         if kv_cache.shape[3] != meta.block_size:
             raise ValueError(f"kv_cache block_size {kv_cache.shape[3]} != metadata block_size {meta.block_size}")
-        max_seq = max(meta.seq_lens_host)
+        max_seq = meta.max_context_len  # the true length (a KVWindow view is shorter)
         if max_seq > cfg.max_model_len:
             raise ValueError(f"a request has {max_seq} tokens, longer than the model's context of "
                              f"{cfg.max_model_len} tokens")
@@ -560,13 +448,32 @@ class LlamaForCausalLM(nn.Module):
         if not self._prepared:
             self.prepare()
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = rope_operands(*self.rotary.cos_sin(positions, x.dtype, max_seq))  # [T, 1, D] each
-        layers = self.model.layers
-        for i in range(n):
-            x = layers[i].forward(x, cos, sin, meta, kv_cache)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        norm = self.model.norm
-        h = rms_norm(x, norm.weight, norm.eps)  # [L, hidden]
-        logits = self.lm_head(h).float()  # [L, V]
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, max_seq)  # [T, D] each
+        if self._fused and x.dtype == self.dtype and kv_cache.dtype in ops.FUSED_DTYPES and kv_cache.is_cpu:
+            h = self._forward_fused(x, cos, sin, meta, kv_cache, n, logits_indices)  # [L, hidden]
+        else:
+            cos, sin = rope_operands(cos, sin)  # [T, 1, D] each
+            layers = self.model.layers
+            for i in range(n):
+                x = layers[i].forward(x, cos, sin, meta, kv_cache)
+            if logits_indices is not None:
+                x = x.index_select(0, logits_indices)
+            norm = self.model.norm
+            h = rms_norm(x, norm.weight, norm.eps)  # [L, hidden]
+        logits = self._lm_head(h).float()  # [L, V]
         return logits, (h if return_hidden else None)
+
+    def _forward_fused(self, x, cos, sin, meta, kv_cache, n: int, logits_indices) -> torch.Tensor:
+        """Layers 0..n-1 and the final norm on the fused CPU kernels. x [T, hidden] (the embeddings)
+        becomes the residual stream, updated in place; returns the final-normed rows [L, hidden]."""
+        layer_caches = kv_cache.unbind(0)  # one call for every layer's view
+        kb = kernel_batch(meta)  # decode / verify batches: every request on the attention kernel
+        layers = self.model.layers
+        delta = None
+        for i in range(n):
+            delta = layers[i].forward_fused(x, delta, cos, sin, meta, kv_cache, layer_caches[i], kb)
+        norm = self.model.norm
+        if logits_indices is None:
+            return _ADD_NORM(x, delta, norm.weight, norm.eps)
+        x.add_(delta)  # rounds as the fused add does
+        return _NORM(x.index_select(0, logits_indices), norm.weight, norm.eps)

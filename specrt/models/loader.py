@@ -1,7 +1,8 @@
-"""Load a local Hugging Face folder: config.json, *.safetensors, tokenizer, generation config.
+"""Load a local model: a Hugging Face folder (config.json, *.safetensors, tokenizer,
+generation config) or a GGUF file (specrt.models.gguf).
 
-Never touches the network and never runs repository code: only JSON, safetensors and
-``tokenizer.json`` are read; chat templates render in a jinja2 sandbox.
+Never touches the network and never runs repository code: only JSON, safetensors,
+``tokenizer.json`` and GGUF metadata/tensors are read; chat templates render in a jinja2 sandbox.
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 import torch
 
 from specrt.models.config import ModelConfig
+from specrt.models.gguf import is_gguf, open_gguf
 from specrt.models.llama import LlamaForCausalLM
+from specrt.models.quant import KINDS as QUANT_KINDS, install_int8_, quantize_model_, take_int8_
 from specrt.models.tokenizer import Tokenizer, _read_json, load_tokenizer
 
-__all__ = ["load_model", "load_tokenizer", "load_generation_config", "check_draft_compatible",
+__all__ = ["load_model", "load_config", "load_tokenizer", "load_generation_config", "check_draft_compatible",
            "check_dtype_supported", "resolve_dtype", "Tokenizer"]
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -102,7 +105,7 @@ def _read_safetensors(files: list[Path], device, select=None) -> dict[str, torch
 
 def _dequantize_int8(state: dict[str, torch.Tensor]) -> None:
     """specrt.models.quant checkpoints: int8 ``<name>.weight`` + float ``<name>.weight_scale`` [out]
-    -> float weights (W = q * scale[:, None]); the runtime itself computes in float."""
+    -> float weights (W = q * scale[:, None]); only for tensor-parallel shards (else they stay int8)."""
     for key in [k for k in state if k.endswith(".weight_scale")]:
         wkey = key[: -len("_scale")]
         q, scale = state.get(wkey), state.pop(key)
@@ -112,23 +115,45 @@ def _dequantize_int8(state: dict[str, torch.Tensor]) -> None:
         state[wkey] = q.float() * scale.float()[:, None]
 
 
-def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> LlamaForCausalLM:
-    """Load a Llama / Qwen2 / Mistral checkpoint from a local folder (config.json + safetensors).
+def load_config(path) -> ModelConfig:
+    """The ModelConfig of a model folder (config.json) or a GGUF file (its metadata)."""
+    if is_gguf(path):
+        return ModelConfig.from_json(open_gguf(path).hf_config())
+    return ModelConfig.from_json(os.fspath(path))
+
+
+def load_model(path, dtype=None, device="cpu", tp: tuple | None = None,
+               quantize: str | None = None) -> LlamaForCausalLM:
+    """Load a Llama / Qwen2 / Mistral checkpoint from a local folder (config.json + safetensors)
+    or a GGUF file (dequantized to ``dtype`` by the gguf package).
 
     dtype: None (float32), "auto" (the checkpoint's torch_dtype), a name or a torch.dtype.
     tp: (rank, world_size, process_group) loads only this rank's tensor-parallel shard (reading
     just those slices of the files) into a model sharded by specrt.models.tp.
     Raises ValueError with a clear message for a missing folder/config/weights, corrupt
     files, unsupported architecture, missing/mis-shaped tensors, or a dtype the device can't run.
-    int8 weight-only checkpoints (specrt.models.quant) are dequantised to ``dtype`` on load.
+    quantize: None, or "int8" / "q8_0" / "q4_0" / "q4_1": every projection, the LM head and the
+    embeddings become weight-only quantized layers that stay quantized (specrt.models.quant);
+    activations keep ``dtype``. int8 weight-only checkpoints (specrt.models.quant) load as int8
+    layers (dequantized to ``dtype`` only for tensor-parallel shards).
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"model folder not found: {folder}")
-    config = ModelConfig.from_json(folder / "config.json")
+    if quantize is not None and quantize not in QUANT_KINDS:
+        raise ValueError(f"quantize must be one of {QUANT_KINDS} or None, got {quantize!r}")
+    if quantize is not None and tp is not None and tp[1] > 1:
+        raise ValueError("quantize is not supported with tensor parallelism")
+    source = Path(path)
+    if is_gguf(source):
+        gguf_model = open_gguf(source)
+        config = ModelConfig.from_json(gguf_model.hf_config())
+        read = lambda select: gguf_model.state_dict(torch.float32, select=select)  # noqa: E731
+    else:
+        if not source.is_dir():
+            raise ValueError(f"model folder not found: {source}")
+        config = ModelConfig.from_json(source / "config.json")
+        files = _weight_files(source)
+        read = lambda select: _read_safetensors(files, "cpu", select)  # noqa: E731
     torch_dtype = resolve_dtype(dtype, config)
     check_dtype_supported(torch_dtype, device)
-    files = _weight_files(folder)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     select = None
@@ -138,37 +163,53 @@ def load_model(path, dtype=None, device="cpu", tp: tuple | None = None) -> Llama
         rank, world_size, group = tp
         shard_model_(model, rank, world_size, group)  # on meta: just the per-rank structure and shapes
         select = shard_selector(config, rank, world_size)
-    state = _read_safetensors(files, "cpu", select)
+    state = read(select)
     state = {k: v for k, v in state.items() if not k.endswith(_IGNORED_KEYS)}
+    int8 = take_int8_(state) if select is None else {}  # stays int8 (TP shards are widened below)
     _dequantize_int8(state)
-    expected = dict(model.named_parameters(remove_duplicate=False))
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
-        state.pop("lm_head.weight", None)  # transformers ignores it too when tied
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not match {config.architecture} config: "
-                         f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                         f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    bad = [f"{k}: {tuple(state[k].shape)} != {tuple(p.shape)}" for k, p in expected.items()
-           if tuple(state[k].shape) != tuple(p.shape)]
-    if bad:
-        raise ValueError(f"{folder}: tensor shapes do not match config.json: {bad[:8]}")
-    for k in expected:
-        if not state[k].is_floating_point():
-            raise ValueError(f"{folder}: tensor {k} has non-float dtype {state[k].dtype}")
-        state[k] = state[k].to(device=device, dtype=torch_dtype)
+    _check_state(state, model, config, source, skip=int8)
+    for k in dict(model.named_parameters(remove_duplicate=False)):
+        if k in state:
+            state[k] = state[k].to(device=device, dtype=torch_dtype)
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    install_int8_(model, int8, device)
+    if quantize is not None:
+        quantize_model_(model, quantize)
     model.eval()
     model.requires_grad_(False)
     model.prepare()  # fuse q/k/v and gate/up (the fused tensors ARE the parameters' storage: no extra memory)
     return model
 
 
+def _check_state(state: dict, model: LlamaForCausalLM, config: ModelConfig, source: Path, skip=()) -> None:
+    """ValueError unless ``state`` holds exactly the model's float tensors with matching shapes
+    (drops a tied lm_head, as transformers does); ``skip``: layers loaded as int8 elsewhere."""
+    expected = dict(model.named_parameters(remove_duplicate=False))
+    for name in skip:
+        expected.pop(f"{name}.weight", None)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        state.pop("lm_head.weight", None)  # transformers ignores it too when tied
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{source}: checkpoint does not match {config.architecture} config: "
+                         f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                         f"unexpected tensors {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    bad = [f"{k}: {tuple(state[k].shape)} != {tuple(p.shape)}" for k, p in expected.items()
+           if tuple(state[k].shape) != tuple(p.shape)]
+    if bad:
+        raise ValueError(f"{source}: tensor shapes do not match config.json: {bad[:8]}")
+    for k in expected:
+        if not state[k].is_floating_point():
+            raise ValueError(f"{source}: tensor {k} has non-float dtype {state[k].dtype}")
+
+
 def load_generation_config(path) -> dict:
-    """generation_config.json as a dict ({} if absent)."""
+    """generation_config.json as a dict ({} if absent); a GGUF file's bos / eos / pad ids."""
+    if is_gguf(path):
+        return open_gguf(path).generation_config()
     return _read_json(Path(path) / "generation_config.json")
 
 
@@ -177,7 +218,11 @@ def _config_of(x) -> ModelConfig:
         return x
     if isinstance(x, LlamaForCausalLM):
         return x.config
-    return ModelConfig.from_json(os.fspath(x))
+    return load_config(x)
+
+
+def _has_tokenizer(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and (is_gguf(path) or (Path(path) / "tokenizer.json").is_file())
 
 
 def check_draft_compatible(target_path_or_model, draft_path_or_model, target_tok=None, draft_tok=None) -> dict:
@@ -192,12 +237,10 @@ def check_draft_compatible(target_path_or_model, draft_path_or_model, target_tok
     probability. Returns {"target_vocab_size", "draft_vocab_size", "shared_vocab_size"}.
     """
     tcfg, dcfg = _config_of(target_path_or_model), _config_of(draft_path_or_model)
-    if target_tok is None and isinstance(target_path_or_model, (str, os.PathLike)):
-        if (Path(target_path_or_model) / "tokenizer.json").is_file():
-            target_tok = load_tokenizer(target_path_or_model)
-    if draft_tok is None and isinstance(draft_path_or_model, (str, os.PathLike)):
-        if (Path(draft_path_or_model) / "tokenizer.json").is_file():
-            draft_tok = load_tokenizer(draft_path_or_model)
+    if target_tok is None and _has_tokenizer(target_path_or_model):
+        target_tok = load_tokenizer(target_path_or_model)
+    if draft_tok is None and _has_tokenizer(draft_path_or_model):
+        draft_tok = load_tokenizer(draft_path_or_model)
 
     diffs: list[str] = []
     if target_tok is not None and draft_tok is not None:

@@ -1,20 +1,20 @@
-"""Weight-only int8 quantisation (per-output-channel scales) for any nn.Linear.
+"""Weight-only quantized models: whole-model quantization, and the int8 checkpoint format.
 
-    model = quantize_linear_layers_(model)            # in place, returns model
-    save_quantized(model, "out/")                     # int8 + scales, config flag
-    model = load_quantized("out/")                    # transformers Llama, int8 linears
+    model = load_model(path, quantize="q4_1")         # specrt model; layers stay quantized
+    quantize_model_(model, "q8_0")                    # the same, in place, on a loaded model
+    quantize_linear_layers_(hf_model)                 # any nn.Module (e.g. transformers): int8
+    save_quantized(hf_model, "out/"); load_quantized("out/")
 
-Each weight row ``W[o, :]`` is stored as ``int8 q[o, :]`` with
-``scale[o] = max|W[o, :]| / 127`` so ``W ~= q * scale[:, None]``; the rounding
-error per element is at most ``scale[o] / 2``. Forward dequantises on the fly:
-``y = (x @ q.T) * scale + bias`` (the int8 -> activation dtype cast happens per
-call). On CPU this saves memory (4x vs fp32) but not time for small matrices.
+The layers are specrt.models.linear.QuantLinear (int8 per output row, or GGUF-style
+Q8_0 / Q4_0 / Q4_1 groups of 32): weights stay quantized at run time and are
+dequantized in registers by the small-M kernel, so an int8 draft takes ~1/4 of its fp32
+memory (and Q4 ~1/7) instead of being widened to float at load.
 
-On-disk format (safetensors): ``<name>.weight`` int8 ``[out, in]`` and
-``<name>.weight_scale`` float32 ``[out]`` for every quantised linear; every
-other tensor unchanged. ``config.json`` gets ``"specrt_quantization": "int8"``
-and ``"specrt_quantized_modules": [names]``; a quantised ``lm_head`` is stored
-untied (``tie_word_embeddings`` false).
+Int8 checkpoint format (safetensors): ``<name>.weight`` int8 ``[out, in]`` and
+``<name>.weight_scale`` float32 ``[out]`` for every quantized linear (W = q * scale[:, None],
+``scale[o] = max|W[o, :]| / 127``); every other tensor unchanged. ``config.json`` gets
+``"specrt_quantization": "int8"`` and ``"specrt_quantized_modules": [names]``; a quantized
+``lm_head`` is stored untied (``tie_word_embeddings`` false).
 """
 from __future__ import annotations
 
@@ -23,82 +23,132 @@ import os
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from specrt.models.linear import KINDS, QuantEmbedding, QuantLinear, quantize
 
 QUANT_FLAG = "specrt_quantization"
 QUANT_MODULES = "specrt_quantized_modules"
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w[out, in] float -> (q[out, in] int8, scale[out] float32), symmetric per row."""
-    w = w.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [out]
-    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    q, scale, _ = quantize(w, "int8")
     return q, scale
 
 
-class Int8Linear(nn.Module):
-    """Drop-in nn.Linear with int8 weights and per-output-channel float32 scales."""
+class Int8Linear(QuantLinear):
+    """Drop-in nn.Linear with int8 weights and per-output-row float32 scales (kind "int8")."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        super().__init__(in_features, out_features, "int8", bias=bias)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, lin: nn.Linear, kind: str = "int8") -> "Int8Linear":
+        if kind != "int8":
+            raise ValueError(f"Int8Linear is kind 'int8', got {kind!r} (use QuantLinear.from_linear)")
         m = cls(lin.in_features, lin.out_features, bias=lin.bias is not None)
         q, s = quantize_weight_int8(lin.weight)
         m.weight.copy_(q)
         m.weight_scale.copy_(s)
         if lin.bias is not None:
-            m.bias.data = lin.bias.detach().clone()
+            m.bias.data = lin.bias.detach().float().clone()
         return m
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.weight.float() * self.weight_scale[:, None]  # [out, in]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Cast int8 -> activation dtype per call and scale the output columns (cheaper
-        # than scaling the weight). torch._weight_int8pack_mm was measured 3-30x slower
-        # than this on our CPU (torch 2.14) for draft-sized matrices, so it is not used.
-        y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)  # [..., out]
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+        return self.dequantize()
 
 
-def quantize_linear_layers_(module: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
-    """Replace every nn.Linear below ``module`` (names not in ``skip``) by Int8Linear, in place."""
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"quantize must be one of {KINDS} or None, got {kind!r}")
+
+
+def quantize_model_(model, kind: str, embeddings: bool = True):
+    """Quantize a specrt LlamaForCausalLM in place: every projection and the LM head become
+    QuantLinear(kind); with ``embeddings`` the token embeddings are looked up in a quantized
+    matrix too (tied embeddings share the LM head's, as llama.cpp does). Activations keep the
+    model's dtype. Returns the model."""
+    _check_kind(kind)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in _PROJECTIONS:
+                lin = getattr(parent, name, None)
+                if lin is None:
+                    continue
+                if type(lin) is not nn.Linear:
+                    raise ValueError(f"cannot quantize {type(lin).__name__} {name} (tensor-parallel or already "
+                                     f"quantized model?)")
+                setattr(parent, name, QuantLinear.from_linear(lin, kind))
+    emb = model.model.embed_tokens
+    tied = model.config.tie_word_embeddings and model.lm_head.weight is emb.weight
+    if type(model.lm_head) is nn.Linear:
+        model.lm_head = QuantLinear.from_linear(model.lm_head, kind)
+    if embeddings and isinstance(emb, nn.Embedding):
+        source = model.lm_head if tied else QuantLinear.from_float(emb.weight, kind)
+        model.model.embed_tokens = QuantEmbedding(source, emb.weight.dtype, owned=not tied)
+    model.invalidate_prepared()
+    return model
+
+
+def take_int8_(state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Remove the int8 checkpoint pairs (``<name>.weight`` int8 + ``<name>.weight_scale``) from a
+    state dict; returns {module name: (q [out, in] int8, scale [out] float32)}."""
+    taken = {}
+    for key in [k for k in state if k.endswith(".weight_scale")]:
+        wkey = key[: -len("_scale")]
+        q, scale = state.get(wkey), state.pop(key)
+        if q is None or q.dtype != torch.int8 or q.dim() != 2 or scale.shape != q.shape[:1]:
+            raise ValueError(f"int8 checkpoint: {key} {tuple(scale.shape)} does not match {wkey} "
+                             f"{None if q is None else (q.dtype, tuple(q.shape))}")
+        del state[wkey]
+        taken[wkey[: -len(".weight")]] = (q, scale.float())
+    return taken
+
+
+def install_int8_(model: nn.Module, taken: dict[str, tuple[torch.Tensor, torch.Tensor]], device) -> None:
+    """Replace each named nn.Linear (bias already loaded) by an int8 QuantLinear holding (q, scale)."""
+    for name, (q, scale) in taken.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lin = getattr(parent, child)
+        if not isinstance(lin, nn.Linear) or tuple(lin.weight.shape) != tuple(q.shape):
+            raise ValueError(f"int8 checkpoint: {name}.weight {tuple(q.shape)} does not match the model's "
+                             f"{type(lin).__name__} {tuple(getattr(lin, 'weight', torch.empty(0)).shape)}")
+        bias = None if lin.bias is None else lin.bias.detach()
+        setattr(parent, child, QuantLinear.from_parts("int8", q.to(device), scale.to(device), None, bias))
+
+
+def quantize_linear_layers_(module: nn.Module, skip: tuple[str, ...] = (), kind: str = "int8") -> nn.Module:
+    """Replace every nn.Linear below ``module`` (names not in ``skip``) by a QuantLinear, in place
+    (Int8Linear for kind "int8"); works on any module tree, e.g. a transformers model."""
+    _check_kind(kind)
     for name, child in list(module.named_modules()):
         for cname, sub in list(child.named_children()):
             full = f"{name}.{cname}" if name else cname
             if isinstance(sub, nn.Linear) and full not in skip:
-                setattr(child, cname, Int8Linear.from_linear(sub))
-    if hasattr(module, "config") and any(isinstance(m, Int8Linear) for m in module.modules()):
-        names = [n for n, m in module.named_modules() if isinstance(m, Int8Linear)]
-        setattr(module.config, QUANT_FLAG, "int8")
+                setattr(child, cname, Int8Linear.from_linear(sub) if kind == "int8"
+                        else QuantLinear.from_linear(sub, kind))
+    if hasattr(module, "config") and any(isinstance(m, QuantLinear) for m in module.modules()):
+        names = [n for n, m in module.named_modules() if isinstance(m, QuantLinear)]
+        setattr(module.config, QUANT_FLAG, kind)
         setattr(module.config, QUANT_MODULES, names)
         if "lm_head" in names:
             module.config.tie_word_embeddings = False
     return module
 
 
+def _keeps_dtype(key: str, v: torch.Tensor) -> bool:
+    return not v.is_floating_point() or key.endswith((".weight_scale", ".weight_min"))
+
+
 def save_quantized(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float16) -> None:
     """Write config.json (with the int8 flag) + model.safetensors (int8 + scales, rest in dtype)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    sd = {}
-    for k, v in model.state_dict().items():
-        if v.dtype == torch.int8 or k.endswith("weight_scale"):
-            sd[k] = v.contiguous()
-        else:
-            sd[k] = v.to(dtype).contiguous()
+    if getattr(model.config, QUANT_FLAG, "int8") != "int8":
+        raise ValueError("save_quantized writes the int8 format only (quantize with kind='int8')")
+    sd = {k: (v if _keeps_dtype(k, v) else v.to(dtype)).contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in sd \
             and sd["lm_head.weight"].dtype != torch.int8:
         del sd["lm_head.weight"]  # tied to model.embed_tokens.weight: store once
@@ -126,7 +176,7 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32):
             if full in names and isinstance(sub, nn.Linear):
                 setattr(child, cname, Int8Linear(sub.in_features, sub.out_features, sub.bias is not None))
     sd = load_file(os.path.join(path, "model.safetensors"))
-    sd = {k: (v if v.dtype == torch.int8 or k.endswith("weight_scale") else v.to(dtype)) for k, v in sd.items()}
+    sd = {k: (v if _keeps_dtype(k, v) else v.to(dtype)) for k, v in sd.items()}
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not m.endswith("rotary_emb.inv_freq")
                and not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
@@ -134,7 +184,12 @@ def load_quantized(path: str, dtype: torch.dtype = torch.float32):
         raise ValueError(f"{path}: missing {missing} unexpected {unexpected}")
     if cfg.tie_word_embeddings:
         model.tie_weights()
-    return model.to(dtype).eval() if dtype != torch.float32 else model.eval()
+    if dtype != torch.float32:  # the scales keep float32 (int8 weights are not touched by .to(dtype))
+        scales = {m: m.weight_scale for m in model.modules() if isinstance(m, QuantLinear)}
+        model = model.to(dtype)
+        for m, s in scales.items():
+            m.weight_scale = s
+    return model.eval()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""Tokenizer: ``tokenizer.json`` through the ``tokenizers`` package, special tokens and the
-chat template from ``tokenizer_config.json`` (rendered in a sandboxed jinja2 environment).
+"""Tokenizer: ``tokenizer.json`` (or a GGUF file's tokenizer metadata) through the ``tokenizers``
+package, special tokens and the chat template from ``tokenizer_config.json`` /
+``chat_template.jinja`` (rendered in a sandboxed jinja2 environment).
 """
 from __future__ import annotations
 
@@ -139,10 +140,35 @@ def _compile_template(source: str):
         raise ValueError(f"chat_template does not compile: {e}") from None
 
 
+def _read_chat_template(folder: Path, tcfg: dict) -> None:
+    """transformers>=5 saves the template as chat_template.jinja (named ones under
+    additional_chat_templates/), older processors as chat_template.json; the file wins over
+    tokenizer_config.json's ``chat_template``, as in transformers."""
+    jinja, legacy = folder / "chat_template.jinja", folder / "chat_template.json"
+    if jinja.is_file():
+        tcfg["chat_template"] = jinja.read_text(encoding="utf-8")
+    elif legacy.is_file() and _read_json(legacy).get("chat_template"):
+        tcfg["chat_template"] = _read_json(legacy)["chat_template"]
+    extra = folder / "additional_chat_templates"
+    named = sorted(extra.glob("*.jinja")) if extra.is_dir() else []
+    if named:
+        default = tcfg.get("chat_template")
+        tcfg["chat_template"] = ([{"name": "default", "template": default}] if isinstance(default, str) else []) + [
+            {"name": f.stem, "template": f.read_text(encoding="utf-8")} for f in named]
+
+
 def load_tokenizer(path) -> Tokenizer:
-    """Tokenizer from a local folder's tokenizer.json (+ tokenizer_config.json, generation_config.json)."""
+    """Tokenizer from a local folder's tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
+    generation_config.json), or from a GGUF file's tokenizer metadata."""
     from tokenizers import Tokenizer as _HFTokenizer
 
+    from specrt.models.gguf import is_gguf, open_gguf
+
+    if is_gguf(path):
+        model = open_gguf(path)
+        tok, tcfg = model.tokenizer()
+        gen = model.generation_config()
+        return Tokenizer(tok, tcfg, _ids(gen.get("eos_token_id")), gen.get("bos_token_id"))
     folder = Path(path)
     f = folder / "tokenizer.json"
     if not f.is_file():
@@ -152,6 +178,7 @@ def load_tokenizer(path) -> Tokenizer:
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on parse errors
         raise ValueError(f"corrupt tokenizer.json {f}: {e}") from None
     tcfg = _read_json(folder / "tokenizer_config.json")
+    _read_chat_template(folder, tcfg)
     gen = _read_json(folder / "generation_config.json")
     model_cfg = _read_json(folder / "config.json")
     extra = _ids(gen.get("eos_token_id")) + _ids(model_cfg.get("eos_token_id"))

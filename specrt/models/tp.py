@@ -200,6 +200,6 @@ def shard_model_(model, rank: int, world_size: int, group=None):
     model.lm_head = VocabParallelLMHead(head_w, model.config.vocab_size, world_size, group)
     model.config = cfg
     model.tp_rank, model.tp_size, model.tp_group = rank, world_size, group
-    if hasattr(model, "_invalidate_fast_path"):
-        model._invalidate_fast_path()
+    if hasattr(model, "invalidate_prepared"):
+        model.invalidate_prepared()
     return model

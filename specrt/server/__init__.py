@@ -8,12 +8,19 @@ GET /openapi.json (the request schemas).
 
 Modules: app (the factory), routes (the endpoints), schemas (pydantic request models),
 parse + prompts (body -> ParsedRequest with token ids, on a small thread pool), runner (the
-one thread that steps the engine), responses (JSON and server-sent events), middleware (API
-key, request cap, counters), serve (the command line).
+one thread that steps the engine), responses (JSON and server-sent events), logprobs (their
+OpenAI shapes), middleware (API key, request cap, counters), serve (the command line).
+
+OpenAI sampling fields: temperature, top_p, max_tokens, stop, seed, presence_penalty,
+frequency_penalty, logit_bias, logprobs (completions: an integer; chat: true with
+top_logprobs), echo (completions; with max_tokens 0 it only scores the prompt). `suffix`,
+`best_of` > 1, `n` > 1 and tools are refused with a 400 (see specrt.controls for what each
+control and the log-probabilities mean).
 
 Extensions to the OpenAI schema (all optional):
-- request: `top_k`, `min_tokens`, `ignore_eos` (vLLM-style, top level) and a `specrt`
-  object `{"tag": str, "return_token_ids": bool}`; the tag may also come from the
+- request: `top_k`, `min_p`, `repetition_penalty`, `allowed_token_ids`, `bad_words`,
+  `min_tokens`, `ignore_eos` (vLLM-style, top level) and a `specrt` object
+  `{"tag": str, "return_token_ids": bool}`; the tag may also come from the
   `X-Specrt-Tag` header. Tags label the Prometheus metrics (`tag="..."`).
 - response: `"specrt": {...}` with the request's speculative statistics (steps,
   drafted/accepted tokens, acceptance per position, tokens per target forward, ...).

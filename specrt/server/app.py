@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specrt.config import SamplingParams
+from specrt.warmup import warm_up as engine_warm_up
 from specrt.server.errors import APIError, ClientGone
 from specrt.server.middleware import GateAndCount
 from specrt.server.routes import router
@@ -27,19 +27,12 @@ logger = logging.getLogger("specrt.server")
 VERSION = "0.1.0"
 
 
-def warm_up(engine, num_requests: int = 4, max_tokens: int = 8) -> None:
-    """A few short greedy requests so kernels, caches and the cost model settle before serving;
-    then the served metrics start from zero."""
-    vocab = max(min(engine.vocab_size, engine.tokenizer.vocab_size) - 1, 1)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(num_requests):
-        engine.add_request([1 + (i * 7) % vocab] * 8, params, tag="warmup")
-    while engine.has_unfinished():
-        engine.step()
-    engine.step()                     # releases the finished requests
-    if engine.spec.policy == "budget":
-        engine.calibrate()
-    engine.metrics = type(engine.metrics)(engine.metrics.window_s)
+def warm_up(engine, num_requests: int = 4, max_tokens: int = 8, prompts: list[str] | None = None) -> None:
+    """A few short greedy requests (``prompts``: typical ones, e.g. --warmup-prompts) so kernels,
+    caches and the cost model settle before serving, and the cost model calibrated on them; then
+    the served metrics start from zero."""
+    engine_warm_up(engine, prompts, num_requests, max_tokens)
+    engine.reset_metrics()
 
 
 def drain_on_exit_signals(state: ServerState):
@@ -119,10 +112,12 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
                dtype=None, seed: int | None = None, model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, warmup: bool = True, max_tags: int = MAX_TAGS,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-               max_prompt_chars: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> FastAPI:
+               max_prompt_chars: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+               warmup_prompts: list[str] | None = None) -> FastAPI:
     """Build the FastAPI app. Pass a ready `engine` (an LLMEngine) or the arguments to build one
     (`target`, `draft` (None: plain autoregressive decoding), `spec`, `device`, `dtype`).
-    The engine is warmed up (when `warmup`) before this returns, i.e. before a port opens.
+    The engine is warmed up (when `warmup`; on `warmup_prompts`, typical prompts, when given)
+    before this returns, i.e. before a port opens.
     The step thread starts here; `app.state.specrt.close()` (or the app's shutdown) ends it."""
     settings = ServerSettings(model_name=model_name or _default_model_name(target), api_key=api_key,
                               max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
@@ -135,7 +130,7 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
 
         engine = LLMEngine(target, draft, spec, device, dtype, seed)
     if warmup:
-        warm_up(engine, num_requests=min(4, engine.spec.max_batch_size))
+        warm_up(engine, num_requests=min(4, engine.spec.max_batch_size), prompts=warmup_prompts)
     state = ServerState(engine, settings)
 
     @asynccontextmanager

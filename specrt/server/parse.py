@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from specrt.config import SamplingParams
+from specrt.config import MAX_BAD_WORD_TOKENS, SamplingParams
 from specrt.server.errors import APIError, bad, show, type_name
 from specrt.server.schemas import ChatCompletionRequest, CompletionRequest, api_error
-from specrt.server.prompts import prompt_token_ids
+from specrt.server.prompts import encode_text, prompt_token_ids
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
@@ -26,6 +26,9 @@ class ParsedRequest:
     tag: str
     return_token_ids: bool
     model: str
+    echo: bool = False           # completions: the prompt leads the text (and the logprobs, if asked)
+    prompt_text: str = ""        # the prompt as text (echo)
+    score_only: bool = False     # completions with echo and max_tokens 0: the generated token is dropped
 
 
 class TagSet:
@@ -94,25 +97,74 @@ def check_unicode(body) -> None:
               path, "invalid_unicode")
 
 
-def _sampling_params(req, chat: bool, max_model_len: int) -> SamplingParams:
-    kw = {name: getattr(req, name) for name in ("temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos")
-          if getattr(req, name) is not None}
+_CONTROLS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos", "min_p", "repetition_penalty",
+             "presence_penalty", "frequency_penalty", "allowed_token_ids")
+
+
+def _bad_words_ids(words: list[str] | None, tokenizer) -> list[list[int]] | None:
+    """vLLM's bad_words: each word's tokens as it starts the text and after a space (when they differ)."""
+    if not words:
+        return None
+    out: list[list[int]] = []
+    for w in words:
+        for text in (w.lstrip(), " " + w.lstrip()):
+            ids = encode_text(tokenizer, text, add_special_tokens=False)
+            if not ids:
+                continue
+            if len(ids) > MAX_BAD_WORD_TOKENS:
+                raise bad(f"'bad_words' entry {show(w)} is {len(ids)} tokens long; at most {MAX_BAD_WORD_TOKENS}",
+                          "bad_words")
+            if ids not in out:
+                out.append(ids)
+    return out or None
+
+
+def _logprob_fields(req, chat: bool) -> tuple[int | None, int | None]:
+    """(SamplingParams.logprobs, .prompt_logprobs) from the endpoint's fields."""
+    if chat:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None, None
+    if req.top_logprobs is not None:
+        raise bad("'top_logprobs' is a chat field; /v1/completions takes 'logprobs': an integer (0-20)",
+                  "top_logprobs")
+    return req.logprobs, req.logprobs if req.echo else None
+
+
+def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size: int) -> SamplingParams:
+    kw = {name: getattr(req, name) for name in _CONTROLS if getattr(req, name) is not None}
     max_tokens = req.max_tokens
     if chat and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
+    if max_tokens == 0:
+        if chat or not req.echo:
+            raise bad("'max_tokens' must be an integer in [1, 2147483647] (0 only with 'echo': the prompt is "
+                      "scored, nothing generated)", "max_tokens")
+        max_tokens = 1          # one token is generated and dropped (score_only)
     # OpenAI's completions default is 16; chat runs to the end of the context (the engine stops there)
     kw["max_tokens"] = max_tokens if max_tokens is not None else (max_model_len if chat else 16)
     if req.stop:
         kw["stop"] = req.stop
+    if req.logit_bias:
+        kw["logit_bias"] = {int(t): b for t, b in req.logit_bias.items()}
+    words = _bad_words_ids(req.bad_words, tokenizer)
+    if words:
+        kw["bad_words_ids"] = words
+    kw["logprobs"], kw["prompt_logprobs"] = _logprob_fields(req, chat)
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
+        params.check_token_ids(vocab_size)
     except ValueError as e:     # cross-field checks (min_tokens <= max_tokens); the message names the field
-        name = str(e).split(" ", 1)[0]
-        raise bad(str(e), name if name in kw else None) from None
+        m = re.match(r"[a-z_]+", str(e))
+        name = m.group(0) if m else None
+        name = "bad_words" if name == "bad_words_ids" else name
+        raise bad(str(e).replace("bad_words_ids", "bad_words") if req.bad_words else str(e),
+                  name if name in kw or name == "bad_words" else None) from None
+    return params
 
 
 def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name: str, tags: TagSet,
-                  tokenizer, max_model_len: int, max_prompt_chars: int) -> ParsedRequest:
+                  tokenizer, max_model_len: int, max_prompt_chars: int, vocab_size: int | None = None) -> ParsedRequest:
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}", None, "invalid_type")
@@ -127,11 +179,15 @@ def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name:
                        "invalid_request_error", "model", "model_not_found")
     ext = req.specrt
     tag = tags.tag_for(ext.tag if ext is not None and ext.tag is not None else header_tag)
-    params = _sampling_params(req, chat, max_model_len)
+    params = _sampling_params(req, chat, max_model_len, tokenizer,
+                              vocab_size if vocab_size is not None else tokenizer.vocab_size)
     prompt = [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in req.messages] if chat \
         else req.prompt
     ids = prompt_token_ids(prompt, chat, tokenizer, max_model_len, max_prompt_chars)
     so = req.stream_options
+    echo = bool(not chat and req.echo)
+    prompt_text = (req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)) if echo else ""
     return ParsedRequest(prompt_ids=ids, params=params, stream=bool(req.stream),
                          include_usage=bool(so is not None and so.include_usage), tag=tag,
-                         return_token_ids=bool(ext is not None and ext.return_token_ids), model=model_name)
+                         return_token_ids=bool(ext is not None and ext.return_token_ids), model=model_name,
+                         echo=echo, prompt_text=prompt_text, score_only=echo and req.max_tokens == 0)

@@ -7,6 +7,7 @@ import json
 from typing import AsyncIterator
 
 from specrt.server.errors import APIError, server_error
+from specrt.server.logprobs import chat_logprobs, completion_logprobs, token_strings
 from specrt.server.parse import ParsedRequest
 from specrt.server.runner import Failed
 
@@ -24,8 +25,8 @@ def failure(item) -> APIError | None:
     return None
 
 
-def usage(out) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
+def usage(out, req: ParsedRequest | None = None) -> dict:
+    p, c = len(out.prompt_token_ids), 0 if req is not None and req.score_only else len(out.token_ids)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -58,17 +59,54 @@ class TextDelta:
         return delta
 
 
+class Rendered:
+    """A request's text and logprobs as sent so far (a whole response is one call of ``next``):
+    echo puts the prompt first, score_only (echo with max_tokens 0) drops the generated token."""
+
+    def __init__(self, engine, req: ParsedRequest, chat: bool):
+        self.req, self.chat = req, chat
+        self.strings = token_strings(engine.tokenizer) if req.params.logprobs is not None else None
+        self.deltas = TextDelta(req.params.stop)
+        self.prompt_sent = not req.echo
+        self.tokens_sent = 0
+        self.offset = 0                # completions' text_offset of the next token
+
+    def next(self, out) -> tuple[str, list[int], dict | None]:
+        """(text delta, new token ids, logprobs object of the new tokens or None)."""
+        req = self.req
+        text = "" if req.score_only else self.deltas.next(out.text, out.finished)
+        ids, records = [], []
+        if not req.score_only:
+            ids = list(out.token_ids[self.tokens_sent:])
+            records = list(out.logprobs[self.tokens_sent:]) if out.logprobs is not None else []
+            self.tokens_sent = len(out.token_ids)
+        lead_ids, lead_records = [], []
+        if not self.prompt_sent:
+            self.prompt_sent = True
+            text = req.prompt_text + text
+            lead_ids = list(out.prompt_token_ids)
+            lead_records = out.prompt_logprobs or [None] * len(lead_ids)
+        if self.strings is None:
+            return text, ids, None
+        if self.chat:
+            return text, ids, chat_logprobs(self.strings, records)
+        body, self.offset = completion_logprobs(self.strings, lead_ids + ids, list(lead_records) + records,
+                                                self.offset)
+        return text, ids, body
+
+
 def completion_body(engine, out, req: ParsedRequest, request_id: str, created: int, chat: bool) -> dict:
     reason = finish_reason(out.finish_reason)
+    text, ids, logprobs = Rendered(engine, req, chat).next(out)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     if req.return_token_ids:
-        choice["token_ids"] = list(out.token_ids)
+        choice["token_ids"] = ids
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": req.model, "choices": [choice], "usage": usage(out), "specrt": spec_stats(engine, out, req)}
+            "model": req.model, "choices": [choice], "usage": usage(out, req), "specrt": spec_stats(engine, out, req)}
 
 
 def _event(payload: dict) -> str:
@@ -79,7 +117,7 @@ async def stream_events(engine, q: asyncio.Queue, req: ParsedRequest, request_id
                         chat: bool) -> AsyncIterator[str]:
     """The SSE events of one admitted request, from its queue to `data: [DONE]`."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    deltas = TextDelta(req.params.stop)
+    rendered = Rendered(engine, req, chat)
 
     def chunk(choice: dict | None, **extra) -> str:
         return _event({"id": request_id, "object": obj, "created": created, "model": req.model,
@@ -94,15 +132,14 @@ async def stream_events(engine, q: asyncio.Queue, req: ParsedRequest, request_id
         if err is not None:
             yield _event(err.body())
             break
-        text = deltas.next(out.text, out.finished)
-        new_ids = list(out.new_token_ids)
-        if text or new_ids or out.finished:
+        text, new_ids, logprobs = rendered.next(out)
+        if text or new_ids or out.finished or (logprobs is not None and not chat and logprobs["tokens"]):
             reason = finish_reason(out.finish_reason) if out.finished else None
             if chat:
-                choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+                choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                           "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
             if req.return_token_ids:
                 choice["token_ids"] = new_ids
             extra = {"specrt": spec_stats(engine, out, req)} if out.finished else {}
@@ -111,6 +148,6 @@ async def stream_events(engine, q: asyncio.Queue, req: ParsedRequest, request_id
             yield chunk(choice, **extra)
         if out.finished:
             if req.include_usage:
-                yield chunk(None, usage=usage(out))
+                yield chunk(None, usage=usage(out, req))
             break
     yield "data: [DONE]\n\n"

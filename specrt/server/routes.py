@@ -140,7 +140,8 @@ async def _handle(request: Request, chat: bool):
     eng = state.engine
     parse = functools.partial(parse_request, raw, chat, request.headers.get("x-specrt-tag"),
                               model_name=state.model_name, tags=state.tags, tokenizer=eng.tokenizer,
-                              max_model_len=eng.max_model_len, max_prompt_chars=state.max_prompt_chars)
+                              max_model_len=eng.max_model_len, max_prompt_chars=state.max_prompt_chars,
+                              vocab_size=eng.vocab_size)
     req = await asyncio.get_running_loop().run_in_executor(state.pool, parse)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -173,7 +174,8 @@ async def models(request: Request):
         "max_model_len": eng.max_model_len,
         "specrt": {"speculative": bool(eng.speculative), "draft": eng.draft_kind,
                    "max_draft_length": eng.spec.max_draft_length, "policy": eng.spec.policy,
-                   "acceptance": eng.spec.acceptance, "max_batch_size": eng.spec.max_batch_size}}]}
+                   "acceptance": eng.spec.acceptance, "max_batch_size": eng.spec.max_batch_size,
+                   "kv_cache_tokens": eng.kv_cache_tokens}}]}
 
 
 @router.get("/health")

@@ -12,18 +12,19 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from specrt.config import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+from specrt.config import (INT32_MAX, INT64_MAX, INT64_MIN, LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_STOP_CHARS,
+                           MAX_STOP_STRINGS, MAX_TOKEN_LIST, PENALTY_RANGE, REPETITION_PENALTY_RANGE,
                            TEMPERATURE_MAX)
 from specrt.server.errors import APIError, bad, show, type_name
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI fields accepted only at their neutral value (anything else: 400 "not supported")
 NEUTRAL = {
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False, 0), "top_logprobs": (0,),
-    "echo": (False,), "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "functions": ([],),
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
     "response_format": ({"type": "text"},),
 }
+_SUFFIX_NOTE = "accepted only empty: inserting between a prompt and a suffix needs a fill-in-the-middle model"
 
 
 _NEUTRAL_NOTE = "accepted only at its neutral value (OpenAI compatibility)"
@@ -75,14 +76,25 @@ class _Common(_Strict):
     metadata: Any = Field(None, description="accepted, no effect")
     store: Any = Field(None, description="accepted, no effect")
     service_tier: Any = Field(None, description="accepted, no effect")
-    presence_penalty: Any = Field(None, description=_NEUTRAL_NOTE)
-    frequency_penalty: Any = Field(None, description=_NEUTRAL_NOTE)
-    logprobs: Any = Field(None, description=_NEUTRAL_NOTE)
-    top_logprobs: Any = Field(None, description=_NEUTRAL_NOTE)
-    echo: Any = Field(None, description=_NEUTRAL_NOTE)
+    min_p: Optional[float] = Field(None, ge=0, le=1, allow_inf_nan=False,
+                                   description="keep tokens at least min_p times as likely as the most likely; 0 = off")
+    repetition_penalty: Optional[float] = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                                allow_inf_nan=False,
+                                                description="1 = off; >1 discourages tokens of the prompt and output")
+    presence_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE, allow_inf_nan=False,
+                                              description="subtracted once from every generated token's logit")
+    frequency_penalty: Optional[float] = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE, allow_inf_nan=False,
+                                               description="subtracted per occurrence from generated tokens' logits")
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description=f"token id (a string) -> bias in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] added to "
+                          "its logit")
+    allowed_token_ids: Optional[list[int]] = Field(None, description="only these tokens may be generated")
+    bad_words: Optional[list[str]] = Field(None, description="words never generated (each tokenized with and "
+                                                             "without a leading space)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="chat: most likely alternatives per token (needs logprobs)")
     best_of: Any = Field(None, description=_NEUTRAL_NOTE)
-    logit_bias: Any = Field(None, description=_NEUTRAL_NOTE)
-    suffix: Any = Field(None, description=_NEUTRAL_NOTE)
+    suffix: Any = Field(None, description=_SUFFIX_NOTE)
     tools: Any = Field(None, description=_NEUTRAL_NOTE)
     functions: Any = Field(None, description=_NEUTRAL_NOTE)
     tool_choice: Any = Field(None, description=_NEUTRAL_NOTE)
@@ -90,7 +102,7 @@ class _Common(_Strict):
     parallel_tool_calls: Any = Field(None, description=_NEUTRAL_NOTE)
     response_format: Any = Field(None, description=_NEUTRAL_NOTE)
 
-    @field_validator("top_k", "max_tokens", "min_tokens", "seed", "n", mode="before")
+    @field_validator("top_k", "max_tokens", "min_tokens", "seed", "n", "top_logprobs", mode="before")
     @classmethod
     def _integral_float(cls, v):
         # JSON writers may spell 10 as 10.0; strict int would refuse it
@@ -101,8 +113,52 @@ class _Common(_Strict):
     def _neutral_only(cls, v, info):
         if v is None or any(_same(v, n) for n in NEUTRAL[info.field_name]):
             return v
-        raise PydanticCustomError("unsupported", "'{name}' is not supported by this server (got {got})",
-                                  {"name": info.field_name, "got": show(v, 60)})
+        note = " (a fill-in-the-middle insertion)" if info.field_name == "suffix" else ""
+        raise PydanticCustomError("unsupported", "'{name}' is not supported by this server{note} (got {got})",
+                                  {"name": info.field_name, "got": show(v, 60), "note": note})
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, dict):
+            raise PydanticCustomError("invalid_type", "'logit_bias' must be an object {\"token id\": bias}, got "
+                                      "{got}", {"got": type_name(v)})
+        if len(v) > MAX_TOKEN_LIST:
+            raise PydanticCustomError("invalid_value", "'logit_bias' may hold at most {n} tokens",
+                                      {"n": MAX_TOKEN_LIST})
+        out = {}
+        for key, bias in v.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+                raise PydanticCustomError("invalid_value", "'logit_bias' keys must be token ids (non-negative "
+                                          "integers as strings), got {got}", {"got": show(key)})
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -LOGIT_BIAS_RANGE <= bias <= \
+                    LOGIT_BIAS_RANGE:
+                raise PydanticCustomError("invalid_value", "'logit_bias[{key}]' must be a number in [-{r}, {r}], got "
+                                          "{got}", {"key": key, "r": f"{LOGIT_BIAS_RANGE:g}", "got": show(bias)})
+            out[key] = float(bias)
+        return out
+
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _token_list(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, list) or not v or len(v) > MAX_TOKEN_LIST or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX for t in v):
+            raise PydanticCustomError("invalid_value", "'allowed_token_ids' must be a non-empty array of at most {n} "
+                                      "token ids (integers >= 0)", {"n": MAX_TOKEN_LIST})
+        return v
+
+    @field_validator("bad_words", mode="before")
+    @classmethod
+    def _words(cls, v):
+        if v is None:
+            return v
+        if not isinstance(v, list) or len(v) > MAX_TOKEN_LIST or not all(isinstance(w, str) and w.strip() for w in v):
+            raise PydanticCustomError("invalid_value", "'bad_words' must be an array of non-empty strings")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -132,6 +188,16 @@ class CompletionRequest(_Common):
 
     prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
         ..., description="a string or an array of token ids; a batch of exactly one prompt is accepted too")
+    max_tokens: Optional[int] = Field(None, ge=0, le=INT32_MAX, description="generation also stops at the context; "
+                                                                            "0 only with echo (score the prompt)")
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of every token and "
+                                                                             "this many most likely alternatives")
+    echo: Optional[bool] = Field(None, description="prepend the prompt to the text (and its log-probabilities)")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _integral_logprobs(cls, v):
+        return int(v) if isinstance(v, float) and v.is_integer() else v
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -199,6 +265,16 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="overrides max_tokens")
+    logprobs: Optional[bool] = Field(None, description="log-probabilities of the generated tokens")
+    echo: Any = Field(None, description=_NEUTRAL_NOTE)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v in (None, False):
+            return v
+        raise PydanticCustomError("unsupported", "'echo' is not supported on /v1/chat/completions (got {got})",
+                                  {"got": show(v, 60)})
 
     @field_validator("max_completion_tokens", mode="before")
     @classmethod

@@ -17,7 +17,7 @@ import threading
 import time
 
 from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, \
-    DEFAULT_MAX_CONNECTIONS
+    DEFAULT_MAX_CONNECTIONS, parse_memory, read_prompts_file
 
 logger = logging.getLogger("specrt.server")
 INSTALL_HINT = 'pip install "specrt[serve]"'
@@ -33,18 +33,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft model folder, 'builtin', 'ngram[:N[:M]]' or 'self:N' (used with --speculative-decoding)")
     p.add_argument("--speculative-decoding", action="store_true",
                    help="decode speculatively with the draft (without it: plain autoregressive decoding)")
-    p.add_argument("--draft-length", type=int, default=5, help="draft tokens per step (K); the max for "
-                   "adaptive policies unless --max-draft-length is given")
-    p.add_argument("--min-draft-length", type=int, default=0)
+    p.add_argument("--draft-length", type=int, default=None, help="draft tokens per step (K); the max for "
+                   "adaptive policies unless --max-draft-length is given (default: the policy's, see SpecConfig)")
+    p.add_argument("--min-draft-length", type=int, default=None)
     p.add_argument("--max-draft-length", type=int, default=None)
-    p.add_argument("--confidence-threshold", type=float, default=0.3)
-    p.add_argument("--acceptance-window", type=int, default=32)
-    p.add_argument("--adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="adapt the confidence threshold to each request's acceptance")
-    p.add_argument("--draft-policy", default="fixed", choices=["fixed", "confidence", "head", "budget"])
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="stop threshold of the confidence / head policies (default 0.6)")
+    p.add_argument("--acceptance-window", type=int, default=None,
+                   help="drafted positions the adaptive threshold looks back over (default 100)")
+    p.add_argument("--adaptive", dest="adaptive", action=argparse.BooleanOptionalAction, default=None,
+                   help="adapt the stop threshold to each request's acceptance (with --draft-policy auto: "
+                        "--adaptive picks the confidence policy)")
+    p.add_argument("--draft-policy", default="auto", choices=["auto", "fixed", "confidence", "head", "budget"],
+                   help="auto: confidence with --adaptive, else fixed")
     p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"])
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="pre-draft the next round while the target verifies")
+    p.add_argument("--admission", default="fifo", choices=["fifo", "acceptance"],
+                   help="when more requests wait than fit: first come first served, or group requests of "
+                        "similar predicted acceptance (none waits more than 64 steps past its turn)")
+    p.add_argument("--draft-kv-window", type=int, default=0,
+                   help="long contexts: the draft attends to its first --draft-kv-sinks tokens plus the last N "
+                        "(0: the whole context); the output stays exact")
+    p.add_argument("--draft-kv-sinks", type=int, default=4)
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV-cache budget: bytes ('2GiB', '512MB', '1000000') or a fraction of free device "
+                        "memory ('0.5'); the log and /v1/models report how many tokens fit")
+    p.add_argument("--warmup-prompts", default=None, metavar="FILE",
+                   help="warm up (and calibrate the cost model) on typical prompts: a text file with one "
+                        "prompt per line, or JSON lines of strings or {\"prompt\": ...}")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -54,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--target-quantize", default=None, choices=QUANT_CHOICES,
+                   help="load the target with weight-only quantized layers that stay quantized")
+    p.add_argument("--draft-quantize", default=None, choices=QUANT_CHOICES,
+                   help="load the draft model with weight-only quantized layers (~1/4 (int8) to ~1/7 (q4) of fp32)")
+    p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the draft model's dtype (default: --dtype)")
     p.add_argument("--seed", type=int, default=None, help="seed for the seeds of unseeded requests")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
@@ -68,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+QUANT_CHOICES = ["int8", "q8_0", "q4_0", "q4_1"]  # specrt.models.linear.KINDS (not imported: no torch here)
 
 
 def engine_kwargs(args) -> dict:
@@ -92,10 +118,22 @@ def engine_kwargs(args) -> dict:
     spec = SpecConfig(min_draft_length=args.min_draft_length, max_draft_length=max_k,
                       confidence_threshold=args.confidence_threshold, acceptance_window=args.acceptance_window,
                       adaptive_enabled=args.adaptive, policy=args.draft_policy, acceptance=args.acceptance,
-                      overlap=args.overlap, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
+                      overlap=args.overlap, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
+                      admission=args.admission, draft_kv_window=args.draft_kv_window,
+                      draft_kv_sinks=args.draft_kv_sinks,
+                      **({} if args.kv_cache_memory is None else
+                         {"kv_cache_budget": parse_memory(args.kv_cache_memory, "--kv-cache-memory")}))
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    return dict(target=args.target_model, draft=draft, spec=spec, device=args.device, dtype=dtype, seed=args.seed)
+    kw = dict(target=args.target_model, draft=draft, spec=spec, device=args.device, dtype=dtype, seed=args.seed)
+    for name in ("target_quantize", "draft_quantize", "draft_dtype"):  # only when given (LLMEngine options)
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    if ("draft_quantize" in kw or "draft_dtype" in kw) and (draft is None or str(draft) == "none"
+                                                            or str(draft).startswith(("ngram", "self:"))):
+        raise ValueError("--draft-quantize / --draft-dtype need a draft model (--speculative-decoding with "
+                         "--draft-model FOLDER or builtin)")
+    return kw
 
 
 def _check_args(args) -> str | None:
@@ -119,16 +157,28 @@ def _build_app(args, api_key):
     from specrt.server.app import create_app
 
     kw = engine_kwargs(args)
-    engine = None
+    warmup_prompts = read_prompts_file(args.warmup_prompts) if args.warmup_prompts else None
+    options = {k: kw.pop(k) for k in ("target_quantize", "draft_quantize", "draft_dtype") if k in kw}
+    engine = built = None
     try:
         if args.tensor_parallel_size > 1:   # the server spawns its own workers: no external launcher
             from specrt.distributed import create_engine
 
+            if options:
+                raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in options)} not supported with "
+                                 f"--tensor-parallel-size > 1")
             engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
-        app = create_app(engine, **({} if engine is not None else kw), model_name=args.served_model_name,
+        elif options:  # LLMEngine options create_app does not take: build the engine here
+            from specrt.engine import LLMEngine
+
+            built = LLMEngine(**kw, **options)
+        given = engine or built
+        app = create_app(given, **({"target": kw["target"]} if given is not None else kw),
+                         model_name=args.served_model_name,
                          api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
-                         max_prompt_chars=args.max_prompt_chars, drain_timeout_s=args.drain_timeout)
+                         max_prompt_chars=args.max_prompt_chars, drain_timeout_s=args.drain_timeout,
+                         warmup_prompts=warmup_prompts)
     except ValueError:
         if engine is not None:
             engine.close()
@@ -185,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 "serving '%s' on http://%s:%d", time.perf_counter() - t0, eng.speculative, eng.draft_kind,
                 eng.spec.max_draft_length, eng.spec.policy, eng.spec.acceptance, state.model_name,
                 args.host, args.port)
+    logger.info("KV cache: %d blocks of %d = %d tokens (all requests together; max_model_len %d)",
+                eng.kv.num_blocks, eng.spec.block_size, eng.kv_cache_tokens, eng.max_model_len)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("binding to %s without --api-key: anyone who can reach this address can use the server",
                        args.host)

@@ -41,3 +41,61 @@ class ServerSettings:
                 raise ValueError(f"{name} must be a number of seconds >= {lo:g}, got {t!r:.40}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
+          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
+
+
+def parse_memory(text: str, name: str = "memory") -> float | int:
+    """'2GiB', '512MB', '1000000' -> bytes (int); '0.5' (a number in (0, 1]) -> that fraction of
+    free device memory (float). ValueError naming ``name`` otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{name} must be bytes ('2GiB', '512MB', '1000000') or a fraction in (0, 1] of free "
+                         f"memory ('0.5'), got {text!r:.40}")
+    value = float(m.group(1))
+    if not unit and value <= 1.0 and "." in m.group(1):
+        if value <= 0.0:
+            raise ValueError(f"{name}: a fraction must be in (0, 1], got {text!r:.40}")
+        return value
+    n = int(value * _UNITS[unit])
+    if n < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {text!r:.40}")
+    return n
+
+
+def read_prompts_file(path: str, limit: int = 1024) -> list[str]:
+    """Typical prompts for warm-up: a text file with one prompt per line, or JSON lines (a
+    string, or an object with a "prompt" string, per line). Blank lines are skipped; at most
+    ``limit`` prompts. ValueError (naming the file and line) for anything else."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--warmup-prompts: no such file {path}")
+    jsonl = p.suffix in (".jsonl", ".json")
+    prompts = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if jsonl:
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--warmup-prompts {path}:{i}: not JSON ({e.msg})") from None
+            item = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(item, str) or not item:
+                raise ValueError(f"--warmup-prompts {path}:{i}: expected a non-empty string or "
+                                 '{"prompt": "..."}')
+            line = item
+        prompts.append(line)
+        if len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"--warmup-prompts {path}: no prompts in the file")
+    return prompts

@@ -78,6 +78,31 @@ def scratch_draft(target_config, num_layers: int, seed: int = 0):
     return draft.float()
 
 
+def save_draft(draft, out_dir: str, target_dir: str, tokenizer_dir: str) -> None:
+    """Save the draft as an HF folder that specrt accepts beside its target: the target's
+    bos / eos / pad ids in generation_config.json (save_hf writes the built-in pair's id 0,
+    so specrt rejected e.g. a SmolLM2 draft: eos [2] vs [2, 0]) and its chat template file."""
+    from specrt.models import load_generation_config
+
+    save_hf(draft, out_dir, tokenizer_dir)
+    path = os.path.join(out_dir, "generation_config.json")
+    with open(path) as f:
+        gen = json.load(f)
+    target_gen = load_generation_config(target_dir)
+    target_cfg = draft.config.to_dict()          # layer_init / scratch drafts copy the target's config
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = target_gen.get(key, target_cfg.get(key))
+        if value is None:
+            gen.pop(key, None)
+        else:
+            gen[key] = value
+    with open(path, "w") as f:
+        json.dump(gen, f, indent=2, sort_keys=True)
+    template = os.path.join(tokenizer_dir, "chat_template.jinja")
+    if os.path.isfile(template):
+        shutil.copy(template, os.path.join(out_dir, "chat_template.jinja"))
+
+
 def kl_loss(t_logits: torch.Tensor, d_logits: torch.Tensor) -> torch.Tensor:
     """Mean over positions of KL(softmax(t) || softmax(d)); logits [..., V]."""
     lp = F.log_softmax(t_logits.float(), -1)
@@ -239,7 +264,7 @@ def main_hf(argv: list[str] | None = None) -> int:
                           args.warmup, args.seed, args.onpolicy_frac, desc=f"distill[{args.init}]",
                           time_budget_s=args.time_budget_min * 60)
     train_s = time.time() - t1
-    save_hf(draft, os.path.join(args.out, "hf"), tok_dir)
+    save_draft(draft, os.path.join(args.out, "hf"), args.target, tok_dir)
     summary = {"init": draft.config.specrt_draft_init, "n_params": n_params, "steps": steps,
                "tokens_seen": steps * args.batch * args.seq_len, "batch": args.batch, "seq_len": args.seq_len,
                "onpolicy_frac": args.onpolicy_frac if onpolicy is not None else 0.0,

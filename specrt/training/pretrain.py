@@ -107,13 +107,6 @@ def heldout_loss(model, windows: torch.Tensor, batch: int = 8, autocast: bool = 
     return tot / max(n, 1)
 
 
-def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float = 0.1) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
 def add_classic_config_keys(out_dir: str, dtype=torch.bfloat16) -> None:
     """Also write "torch_dtype" and "rope_theta" (transformers 5 writes "dtype" and
     "rope_parameters") so older readers and specrt's own loader see them."""

@@ -59,6 +59,21 @@ SPECRT_HOST_DEVICE float race_score_at(float weight, const Philox4x32& block, ui
   return race_score(weight, uniform_from_bits(block.v[token & 3u]));
 }
 
+// Temperatures below kGreedyTemperature (0, tiny, negative or NaN) are greedy:
+// a one-hot row at the argmax. Dividing float32 logits by a smaller positive
+// temperature overflows (x / t = inf, inf - inf = NaN) for ordinary logits.
+// specrt/reference.py (TEMPERATURE_EPS) and specrt/ops.py mirror this rule.
+constexpr float kGreedyTemperature = 1e-5f;
+
+SPECRT_HOST_DEVICE bool is_greedy_temperature(float t) { return !(t >= kGreedyTemperature); }
+
+// min-p keeps token v iff p_v >= min_p * max_u p_u. On the softmax numerators
+// e_v = exp(x_v / t - max_u x_u / t), whose largest is exactly 1 (exp of 0),
+// that is e_v >= min_p: one comparison, before the normalisation, so it needs
+// no second pass over the row. min_p <= 0 (or NaN) is off; top-k keeps the
+// largest logit, so the two commute; top-p then cuts the min-p renormalised row.
+SPECRT_HOST_DEVICE bool min_p_drops(float numerator, float min_p) { return min_p > 0.0f && !(numerator >= min_p); }
+
 // Residual weight after rejecting a draft: max(p - q, 0).
 SPECRT_HOST_DEVICE float residual_weight(float p, float q) {
   const float d = p - q;

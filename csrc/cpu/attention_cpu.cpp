@@ -1,0 +1,536 @@
+// CPU kernel of paged multi-position attention (csrc/attention_ops.h): each
+// request's 1..K+1 new queries attend directly over its paged KV blocks, no
+// gather copy. The algorithm and its float math are the ones written down in
+// csrc/include/specrt/attention.h (shared with the CUDA kernel).
+//
+// Work item = (request, kv head, 256-key chunk), taken dynamically by the
+// threads (the result of an item does not depend on who computes it). All
+// queries of the request that share the kv head (G query heads x query_len
+// new tokens) are "lanes": 16 lanes form a group held in one AVX-512 vector,
+// so every K/V row is loaded once per tile for all of them. The hot tile
+// update has an AVX-512 version (intrinsics) and a portable version compiled
+// twice (AVX2+FMA and baseline); all three return the same bits.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "attention_ops.h"
+#include "specrt/attention.h"
+
+namespace specrt {
+namespace {
+
+using attn::exp2_det;
+using attn::kChunkKeys;
+using attn::kLanes;
+using attn::kTileKeys;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Up to 16 queries of one (request, kv head); buffers are transposed [D][16].
+struct LaneGroup {
+  float* qt;    // [D][16] q * qscale (padding lanes 0)
+  float* acc;   // [D][16] running sum of p * v
+  float* m;     // [16] running max (base-2 score domain)
+  float* l;     // [16] running sum of p
+  int32_t pos[kLanes];  // absolute position of each lane's query (padding lanes: a real one's)
+  int32_t min_pos, max_pos;
+};
+
+// Keys k0 .. k0+n-1 of one tile for one kv head, converted to float: key j's row is k + j * stride.
+struct Tile {
+  const float* k;
+  const float* v;
+  int64_t stride;
+  int n;
+  int32_t k0;
+};
+
+// ---------------------------------------------------------------- portable version
+// max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
+inline float max_f(float a, float b) { return a > b ? a : b; }
+
+__attribute__((always_inline)) inline void tile_portable(const Tile& t, LaneGroup& g, int D, int32_t window,
+                                                         bool masked) {
+  float s[kTileKeys][kLanes];
+  for (int j = 0; j < t.n; ++j) {
+    float a[kLanes] = {};
+    const float* kj = t.k + j * t.stride;
+    for (int d = 0; d < D; ++d) {
+      const float kd = kj[d];
+      const float* qd = g.qt + d * kLanes;
+      for (int i = 0; i < kLanes; ++i) a[i] = std::fma(qd[i], kd, a[i]);
+    }
+    for (int i = 0; i < kLanes; ++i) s[j][i] = a[i];
+  }
+  if (masked) {
+    for (int j = 0; j < t.n; ++j) {
+      const int32_t kp = t.k0 + j;
+      for (int i = 0; i < kLanes; ++i) {
+        const bool visible = kp <= g.pos[i] && (window == 0 || kp > g.pos[i] - window);
+        if (!visible) s[j][i] = kNegInf;
+      }
+    }
+  }
+  float m_safe[kLanes], alpha[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    float mt = kNegInf;
+    for (int j = 0; j < t.n; ++j) mt = max_f(mt, s[j][i]);
+    const float m_new = max_f(g.m[i], mt);
+    m_safe[i] = m_new == kNegInf ? 0.0f : m_new;
+    alpha[i] = exp2_det(g.m[i] - m_safe[i]);
+    g.m[i] = m_new;
+  }
+  for (int j = 0; j < t.n; ++j)
+    for (int i = 0; i < kLanes; ++i) s[j][i] = exp2_det(s[j][i] - m_safe[i]);
+  for (int i = 0; i < kLanes; ++i) {
+    float l = g.l[i] * alpha[i];
+    for (int j = 0; j < t.n; ++j) l = l + s[j][i];
+    g.l[i] = l;
+  }
+  for (int d = 0; d < D; ++d) {
+    float o[kLanes];
+    float* acc = g.acc + d * kLanes;
+    for (int i = 0; i < kLanes; ++i) o[i] = acc[i] * alpha[i];
+    for (int j = 0; j < t.n; ++j) {
+      const float vd = t.v[j * t.stride + d];
+      for (int i = 0; i < kLanes; ++i) o[i] = std::fma(s[j][i], vd, o[i]);
+    }
+    for (int i = 0; i < kLanes; ++i) acc[i] = o[i];
+  }
+}
+
+// Chunk partials of one lane, stored [chunks][stride] as (m, l, acc[D]), combined in chunk order.
+__attribute__((always_inline)) inline void combine_portable(const float* part, int64_t chunks, int64_t stride,
+                                                            int D, float* a, float* out) {
+  float big_m = kNegInf;
+  for (int64_t c = 0; c < chunks; ++c) big_m = max_f(big_m, part[c * stride]);
+  float big_l = 0.0f;
+  for (int d = 0; d < D; ++d) a[d] = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = part + c * stride;
+    const float w = exp2_det(p[0] - big_m);
+    big_l = std::fma(p[1], w, big_l);
+    for (int d = 0; d < D; ++d) a[d] = std::fma(p[2 + d], w, a[d]);
+  }
+  for (int d = 0; d < D; ++d) out[d] = a[d] / big_l;
+}
+
+// Cache elements -> float (exact for every kind).
+enum CacheKind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+__attribute__((always_inline)) inline void convert_portable(const void* src, int kind, int64_t n, float* dst) {
+  if (kind == kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  if (kind == kBF16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = attn::bf16_bits_to_float(h[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = attn::half_bits_to_float(h[i]);
+  }
+}
+
+// The portable code compiled for the baseline ISA (fma is a libm call there) and for AVX2+FMA.
+void tile_baseline(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  tile_portable(t, g, D, window, masked);
+}
+void combine_baseline(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
+  combine_portable(part, chunks, stride, D, a, out);
+}
+void convert_baseline(const void* src, int kind, int64_t n, float* dst) { convert_portable(src, kind, n, dst); }
+
+#define SPECRT_AVX2 __attribute__((target("avx2,fma,f16c")))
+SPECRT_AVX2 void tile_avx2(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  tile_portable(t, g, D, window, masked);
+}
+SPECRT_AVX2 void combine_avx2(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
+  combine_portable(part, chunks, stride, D, a, out);
+}
+SPECRT_AVX2 void convert_avx2(const void* src, int kind, int64_t n, float* dst) {
+  convert_portable(src, kind, n, dst);
+}
+
+// ---------------------------------------------------------------- AVX-512 version
+// GCC 12's intrinsic headers trip its own -Wuninitialized (_mm512_undefined_*): silence it here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-127.0f), _CMP_LT_OQ), x,
+                                         _mm512_set1_ps(-127.0f));
+  const __m512 t = _mm512_add_ps(xc, round);
+  const __m512 n = _mm512_sub_ps(t, round);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
+  bits = _mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23);
+  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
+}
+
+// Scores of NK consecutive keys (independent fma chains over d hide the latency).
+template <int NK>
+SPECRT_AVX512 inline void scores_avx512(const float* k, int64_t stride, const float* qt, int D, float* s) {
+  __m512 a[NK];
+  for (int j = 0; j < NK; ++j) a[j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
+    for (int j = 0; j < NK; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[j * stride + d]), a[j]);
+  }
+  for (int j = 0; j < NK; ++j) _mm512_storeu_ps(s + j * kLanes, a[j]);
+}
+
+// acc rows d0 .. d0+R-1 += p_j * v_j[d] over the tile's keys (accumulators stay in registers).
+template <int R>
+SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha, int D, int d0, float* acc) {
+  __m512 o[R];
+  for (int r = 0; r < R; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + r) * kLanes), alpha);
+  for (int j = 0; j < t.n; ++j) {
+    const __m512 p = _mm512_loadu_ps(s + j * kLanes);
+    const float* vj = t.v + j * t.stride + d0;
+    for (int r = 0; r < R; ++r) o[r] = _mm512_fmadd_ps(p, _mm512_set1_ps(vj[r]), o[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (d0 + r) * kLanes, o[r]);
+}
+
+SPECRT_AVX512 void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  alignas(64) float s[kTileKeys * kLanes];
+  int j = 0;
+  for (; j + 8 <= t.n; j += 8) scores_avx512<8>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
+  for (; j < t.n; ++j) scores_avx512<1>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  if (masked) {
+    const __m512i pos = _mm512_loadu_si512(g.pos);
+    const __m512i pos_w = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
+    for (j = 0; j < t.n; ++j) {
+      const __m512i kp = _mm512_set1_epi32(t.k0 + j);
+      __mmask16 visible = _mm512_cmple_epi32_mask(kp, pos);
+      if (window != 0) visible &= _mm512_cmplt_epi32_mask(pos_w, kp);
+      _mm512_storeu_ps(s + j * kLanes, _mm512_mask_blend_ps(visible, neg_inf, _mm512_loadu_ps(s + j * kLanes)));
+    }
+  }
+  __m512 mt = neg_inf;
+  for (j = 0; j < t.n; ++j) mt = _mm512_max_ps(mt, _mm512_loadu_ps(s + j * kLanes));
+  const __m512 m_old = _mm512_loadu_ps(g.m);
+  const __m512 m_new = _mm512_max_ps(m_old, mt);
+  const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
+                                             _mm512_setzero_ps());
+  const __m512 alpha = exp2_avx512(_mm512_sub_ps(m_old, m_safe));
+  _mm512_storeu_ps(g.m, m_new);
+  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(g.l), alpha);
+  for (j = 0; j < t.n; ++j) {
+    const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j * kLanes), m_safe));
+    _mm512_storeu_ps(s + j * kLanes, p);
+    l = _mm512_add_ps(l, p);
+  }
+  _mm512_storeu_ps(g.l, l);
+  int d = 0;
+  for (; d + 16 <= D; d += 16) pv_avx512<16>(t, s, alpha, D, d, g.acc);
+  for (; d < D; ++d) pv_avx512<1>(t, s, alpha, D, d, g.acc);
+}
+
+SPECRT_AVX512 void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
+  combine_portable(part, chunks, stride, D, a, out);
+}
+
+SPECRT_AVX512 void convert_avx512(const void* src, int kind, int64_t n, float* dst) {
+  if (kind == kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
+    const __m512 f = kind == kBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))
+                                   : _mm512_cvtph_ps(x);
+    _mm512_storeu_ps(dst + i, f);
+  }
+  for (; i < n; ++i) dst[i] = kind == kBF16 ? attn::bf16_bits_to_float(h[i]) : attn::half_bits_to_float(h[i]);
+}
+#pragma GCC diagnostic pop
+
+// ---------------------------------------------------------------- dispatch
+struct Isa {
+  void (*tile)(const Tile&, LaneGroup&, int, int32_t, bool);
+  void (*combine)(const float*, int64_t, int64_t, int, float*, float*);
+  void (*convert)(const void*, int, int64_t, float*);
+};
+
+int detected_isa() {
+  static const int level = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+      return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
+    return 0;
+  }();
+  return level;
+}
+
+std::atomic<int> g_isa_cap{2};
+
+int active_isa() { return std::min(detected_isa(), g_isa_cap.load(std::memory_order_relaxed)); }
+
+Isa isa_ops(int level) {
+  if (level >= 2) return {tile_avx512, combine_avx512, convert_avx512};
+  if (level == 1) return {tile_avx2, combine_avx2, convert_avx2};
+  return {tile_baseline, combine_baseline, convert_baseline};
+}
+
+// ---------------------------------------------------------------- driver
+struct Request {
+  int64_t q0, query_len, seq_len, first_key;
+  int64_t chunk_first, num_chunks;
+  int64_t part_offset;  // floats into the partials buffer (multi-chunk requests)
+};
+
+// One work item: request b, its chunk c (counted from its first visible chunk), all kv heads.
+struct Item {
+  int32_t b, c;
+};
+
+class Kernel {
+ public:
+  explicit Kernel(const PagedAttentionArgs& a) : a_(a), isa_(isa_ops(active_isa())) {
+    T_ = a.q.size(0);
+    H_ = a.q.size(1);
+    D_ = static_cast<int>(a.q.size(2));
+    bs_ = a.kv_cache.size(2);
+    Hkv_ = a.kv_cache.size(3);
+    G_ = H_ / Hkv_;
+    B_ = a.seq_lens.size(0);
+    M_ = a.block_tables.size(1);
+    plane_ = a.kv_cache.size(1) * bs_ * Hkv_ * D_;
+    const at::ScalarType dt = a.kv_cache.scalar_type();
+    kind_ = dt == at::kFloat ? kF32 : dt == at::kBFloat16 ? kBF16 : kF16;
+  }
+
+  void run() {
+    plan();
+    const at::Tensor part = at::empty({part_floats_}, a_.q.options());
+    part_ = part.data_ptr<float>();
+    // dynamic scheduling: items differ in cost; an item's result does not depend on its thread
+    std::atomic<int64_t> next{0};
+    const int64_t n = static_cast<int64_t>(items_.size());
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      Scratch sc(Hkv_ * max_groups_, D_, Hkv_ * D_);
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(items_[i], sc);
+    });
+    combine_all();
+    float* out = a_.out.data_ptr<float>();
+    const int64_t rows = a_.query_start_loc.data_ptr<int64_t>()[B_];
+    std::fill(out + rows * H_ * D_, out + T_ * H_ * D_, 0.0f);  // padding rows
+  }
+
+ private:
+  struct Scratch {
+    std::vector<float> buf;
+    std::vector<LaneGroup> groups;  // [Hkv][max_groups]
+    float *kbuf, *vbuf;             // [kTileKeys][Hkv * D]
+    Scratch(int64_t num_groups, int D, int64_t row) : buf(num_groups * (2 * D + 2) * kLanes + 2 * kTileKeys * row),
+                                                       groups(num_groups) {
+      float* p = buf.data();
+      for (auto& g : groups) {
+        g.qt = p, p += D * kLanes;
+        g.acc = p, p += D * kLanes;
+        g.m = p, p += kLanes;
+        g.l = p, p += kLanes;
+      }
+      kbuf = p, p += kTileKeys * row;
+      vbuf = p;
+    }
+  };
+
+  void plan() {
+    const int64_t* seq = a_.seq_lens.data_ptr<int64_t>();
+    const int64_t* qsl = a_.query_start_loc.data_ptr<int64_t>();
+    reqs_.resize(B_);
+    for (int64_t b = 0; b < B_; ++b) {
+      Request& r = reqs_[b];
+      r.q0 = qsl[b];
+      r.query_len = qsl[b + 1] - qsl[b];
+      r.seq_len = seq[b];
+      r.num_chunks = 0;
+      if (r.query_len == 0) continue;
+      r.first_key = attn::first_visible_key(r.seq_len, r.query_len, a_.window);
+      r.chunk_first = r.first_key / kChunkKeys;
+      r.num_chunks = (r.seq_len - 1) / kChunkKeys - r.chunk_first + 1;
+      const int64_t lanes = G_ * r.query_len;
+      max_groups_ = std::max(max_groups_, (lanes + kLanes - 1) / kLanes);
+      r.part_offset = part_floats_;
+      if (r.num_chunks > 1) part_floats_ += Hkv_ * r.num_chunks * lanes * (D_ + 2);
+      for (int64_t c = 0; c < r.num_chunks; ++c) items_.push_back({static_cast<int32_t>(b), static_cast<int32_t>(c)});
+    }
+  }
+
+  // Lane i of group gi of kv head h = query (lane / G) of the request, query head h * G + lane % G.
+  void setup_group(const Request& r, int64_t h, int64_t gi, LaneGroup& g) const {
+    const float* q = a_.q.data_ptr<float>();
+    const int64_t lanes = G_ * r.query_len;
+    std::fill(g.qt, g.qt + D_ * kLanes, 0.0f);
+    std::fill(g.acc, g.acc + D_ * kLanes, 0.0f);
+    std::fill(g.m, g.m + kLanes, kNegInf);
+    std::fill(g.l, g.l + kLanes, 0.0f);
+    g.min_pos = std::numeric_limits<int32_t>::max();
+    g.max_pos = -1;
+    for (int i = 0; i < kLanes; ++i) {
+      const int64_t lane = std::min(gi * kLanes + i, lanes - 1);  // padding lanes repeat the last position
+      const int64_t qi = lane / G_;
+      g.pos[i] = static_cast<int32_t>(r.seq_len - r.query_len + qi);
+      if (gi * kLanes + i >= lanes) continue;
+      g.min_pos = std::min(g.min_pos, g.pos[i]);
+      g.max_pos = std::max(g.max_pos, g.pos[i]);
+      const float* qrow = q + ((r.q0 + qi) * H_ + h * G_ + lane % G_) * D_;
+      for (int d = 0; d < D_; ++d) g.qt[d * kLanes + i] = qrow[d] * a_.qscale;
+    }
+  }
+
+  // Keys [k0, k1) of request b, all kv heads, as float rows [k1 - k0][Hkv * D]. Keys of one block are
+  // contiguous in the cache: one conversion per block segment (a sequential read).
+  void load_tile(int64_t b, int64_t k0, int64_t k1, Scratch& sc) const {
+    const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
+    const int64_t row = Hkv_ * D_;
+    const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
+    const int64_t elem = a_.kv_cache.element_size();
+    for (int64_t kp = k0; kp < k1;) {
+      const int64_t off = kp % bs_;
+      const int64_t n = std::min(k1 - kp, bs_ - off);
+      const int64_t src = (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row;
+      isa_.convert(base + src * elem, kind_, n * row, sc.kbuf + (kp - k0) * row);
+      isa_.convert(base + (plane_ + src) * elem, kind_, n * row, sc.vbuf + (kp - k0) * row);
+      kp += n;
+    }
+  }
+
+  // Asks for the next tile's cache lines while this one is computed (its blocks are anywhere in memory).
+  void prefetch_tile(int64_t b, int64_t k0, int64_t k1) const {
+    const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
+    const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
+    const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
+    const int64_t plane_bytes = plane_ * a_.kv_cache.element_size();
+    for (int64_t kp = k0; kp < k1;) {
+      const int64_t off = kp % bs_;
+      const int64_t n = std::min(k1 - kp, bs_ - off);
+      const char* src = base + (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row_bytes;
+      for (int64_t x = 0; x < n * row_bytes; x += 64) {
+        __builtin_prefetch(src + x, 0, 2);
+        __builtin_prefetch(src + plane_bytes + x, 0, 2);
+      }
+      kp += n;
+    }
+  }
+
+  void process(const Item& it, Scratch& sc) const {
+    const Request& r = reqs_[it.b];
+    const int64_t num_groups = (G_ * r.query_len + kLanes - 1) / kLanes;
+    for (int64_t h = 0; h < Hkv_; ++h)
+      for (int64_t gi = 0; gi < num_groups; ++gi) setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
+    const int64_t c = r.chunk_first + it.c;
+    const int64_t key_begin = std::max(c * kChunkKeys, r.first_key);
+    const int64_t key_end = std::min((c + 1) * kChunkKeys, r.seq_len);
+    const int32_t window = static_cast<int32_t>(a_.window > 0 && a_.window < r.seq_len ? a_.window : 0);
+    for (int64_t t0 = key_begin - key_begin % kTileKeys; t0 < key_end; t0 += kTileKeys) {
+      const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
+      load_tile(it.b, k0, k1, sc);
+      if (t0 + kTileKeys < key_end) prefetch_tile(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end));
+      for (int64_t h = 0; h < Hkv_; ++h) {
+        const Tile tile{sc.kbuf + h * D_, sc.vbuf + h * D_, Hkv_ * D_, static_cast<int>(k1 - k0),
+                        static_cast<int32_t>(k0)};
+        for (int64_t gi = 0; gi < num_groups; ++gi) {
+          LaneGroup& g = sc.groups[h * num_groups + gi];
+          // a tile no lane of the group can see changes nothing (see attention.h): skip it
+          if (k0 > g.max_pos || (window != 0 && k1 - 1 <= g.min_pos - window)) continue;
+          const bool masked = k1 - 1 > g.min_pos || (window != 0 && k0 <= g.max_pos - window);
+          isa_.tile(tile, g, D_, window, masked);
+        }
+      }
+    }
+    for (int64_t h = 0; h < Hkv_; ++h) finish(r, h, it.c, sc.groups.data() + h * num_groups);
+  }
+
+  float* out_row(const Request& r, int64_t h, int64_t lane) const {
+    return a_.out.data_ptr<float>() + ((r.q0 + lane / G_) * H_ + h * G_ + lane % G_) * D_;
+  }
+
+  // One chunk: the output (acc / l). Several: this chunk's partial (m, l, acc) of every lane.
+  void finish(const Request& r, int64_t h, int64_t c, const LaneGroup* groups) const {
+    const int64_t lanes = G_ * r.query_len;
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      const LaneGroup& g = groups[lane / kLanes];
+      const int i = lane % kLanes;
+      if (r.num_chunks == 1) {
+        float* o = out_row(r, h, lane);
+        for (int d = 0; d < D_; ++d) o[d] = g.acc[d * kLanes + i] / g.l[i];
+        continue;
+      }
+      float* p = part_ + r.part_offset + ((h * r.num_chunks + c) * lanes + lane) * (D_ + 2);
+      p[0] = g.m[i];
+      p[1] = g.l[i];
+      for (int d = 0; d < D_; ++d) p[2 + d] = g.acc[d * kLanes + i];
+    }
+  }
+
+  // Requests whose keys span several chunks: combine the partials in chunk order.
+  void combine_all() const {
+    std::vector<std::pair<int32_t, int32_t>> todo;  // (request, kv head)
+    for (int64_t b = 0; b < B_; ++b)
+      if (reqs_[b].num_chunks > 1)
+        for (int64_t h = 0; h < Hkv_; ++h) todo.emplace_back(static_cast<int32_t>(b), static_cast<int32_t>(h));
+    at::parallel_for(0, static_cast<int64_t>(todo.size()), 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> a(D_);
+      for (int64_t i = lo; i < hi; ++i) {
+        const Request& r = reqs_[todo[i].first];
+        const int64_t h = todo[i].second;
+        const int64_t lanes = G_ * r.query_len;
+        const int64_t stride = lanes * (D_ + 2);
+        const float* part = part_ + r.part_offset + h * r.num_chunks * stride;
+        for (int64_t lane = 0; lane < lanes; ++lane)
+          isa_.combine(part + lane * (D_ + 2), r.num_chunks, stride, D_, a.data(), out_row(r, h, lane));
+      }
+    });
+  }
+
+  const PagedAttentionArgs& a_;
+  const Isa isa_;
+  int64_t T_, H_, bs_, Hkv_, G_, B_, M_, plane_;
+  int D_;
+  int kind_;
+  std::vector<Request> reqs_;
+  std::vector<Item> items_;
+  int64_t max_groups_ = 1;
+  int64_t part_floats_ = 0;
+  float* part_ = nullptr;
+};
+
+}  // namespace
+
+void paged_attention_cpu(const PagedAttentionArgs& args) { Kernel(args).run(); }
+
+int64_t attention_cpu_isa(int64_t cap) {
+  const int before = active_isa();
+  if (cap >= 0) g_isa_cap.store(static_cast<int>(std::min<int64_t>(cap, 2)), std::memory_order_relaxed);
+  return before;
+}
+
+}  // namespace specrt

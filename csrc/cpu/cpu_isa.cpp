@@ -1,0 +1,116 @@
+// Run-time choice of the CPU kernels' instruction set (csrc/cpu/cpu_isa.h),
+// and the debug ops that expose it to tests:
+//   specrt::cpu_isa() -> str            the instruction set in use
+//   specrt::set_cpu_isa(str isa) -> str force "scalar" | "avx2" | "avx512", or
+//                                       "auto" (SPECRT_CPU_ISA, else the best)
+//   specrt::cpu_exponential_noise(Tensor u) -> Tensor
+//                                       -log_det(u) on the path in use (tests)
+#include "cpu/cpu_isa.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "cpu/race.h"
+
+namespace specrt {
+namespace {
+
+constexpr int kUnresolved = -1;
+std::atomic<int> g_isa{kUnresolved};
+
+bool parse_isa(const std::string& name, CpuIsa& isa) {
+  if (name == "scalar") isa = CpuIsa::kScalar;
+  else if (name == "avx2") isa = CpuIsa::kAvx2;
+  else if (name == "avx512") isa = CpuIsa::kAvx512;
+  else return false;
+  return true;
+}
+
+CpuIsa best_supported() {
+  if (cpu_isa_supported(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
+  if (cpu_isa_supported(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
+  return CpuIsa::kScalar;
+}
+
+// `name` must name an instruction set this CPU runs; `origin` names the source in errors.
+CpuIsa checked_isa(const std::string& name, const char* origin) {
+  CpuIsa isa;
+  TORCH_CHECK_VALUE(parse_isa(name, isa), origin, " must be one of scalar, avx2, avx512 (or auto), got '", name, "'");
+  TORCH_CHECK_VALUE(cpu_isa_supported(isa), origin, " = ", name, ", but this CPU (or build) cannot run it");
+  return isa;
+}
+
+CpuIsa resolve_default() {
+  const char* env = std::getenv("SPECRT_CPU_ISA");
+  if (env == nullptr || *env == '\0' || std::string(env) == "auto") return best_supported();
+  return checked_isa(env, "SPECRT_CPU_ISA");
+}
+
+at::Tensor cpu_exponential_noise_op(const at::Tensor& uniforms) {
+  TORCH_CHECK_VALUE(uniforms.device().is_cpu() && uniforms.scalar_type() == at::kFloat,
+                    "uniforms must be a float32 CPU tensor");
+  const at::Tensor u = uniforms.contiguous();
+  at::Tensor e = at::empty_like(u);
+  exponential_noise(cpu_isa(), u.data_ptr<float>(), e.data_ptr<float>(), u.numel());
+  return e;
+}
+
+std::string cpu_isa_op() { return cpu_isa_name(cpu_isa()); }
+
+std::string set_cpu_isa_op(const std::string& name) {
+  const CpuIsa isa = name == "auto" ? resolve_default() : checked_isa(name, "isa");
+  g_isa.store(static_cast<int>(isa));
+  return cpu_isa_name(isa);
+}
+
+}  // namespace
+
+bool cpu_isa_supported(CpuIsa isa) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  switch (isa) {
+    case CpuIsa::kScalar:
+      return true;
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2");
+    case CpuIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  }
+  return false;
+#else
+  return isa == CpuIsa::kScalar;
+#endif
+}
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+    default:
+      return "scalar";
+  }
+}
+
+CpuIsa cpu_isa() {
+  int isa = g_isa.load(std::memory_order_relaxed);
+  if (isa == kUnresolved) {
+    isa = static_cast<int>(resolve_default());  // a bad SPECRT_CPU_ISA raises here, every call
+    g_isa.store(isa);
+  }
+  return static_cast<CpuIsa>(isa);
+}
+
+}  // namespace specrt
+
+TORCH_LIBRARY_FRAGMENT(specrt, m) {
+  m.def("cpu_isa() -> str", &specrt::cpu_isa_op);
+  m.def("set_cpu_isa(str isa) -> str", &specrt::set_cpu_isa_op);
+  m.def("cpu_exponential_noise(Tensor uniforms) -> Tensor", &specrt::cpu_exponential_noise_op);
+}

@@ -1,0 +1,158 @@
+// Torch glue of the small-M linear kernel: run-time ISA choice, threading over
+// output rows (each row whole on one thread: thread count changes nothing), and
+// the fp32/bf16 plumbing. The kernels are linear_{scalar,avx2,avx512,avx512bf16}.cpp.
+#include "cpu/linear_cpu.h"
+
+#include <ATen/Parallel.h>
+
+#include "cpu/linear_dynamic.h"
+
+#include <atomic>
+
+namespace specrt {
+namespace {
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16"};
+
+int detect_isa() {
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool f16c = __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
+  if (avx512) return kAvx512;
+  if (avx2 && f16c) return kAvx2;
+  return kScalar;
+}
+
+int best_isa() {
+  static const int isa = detect_isa();
+  return isa;
+}
+
+std::atomic<int> g_isa_cap{kAvx512Bf16};
+
+using RowsFn = void (*)(const linear::Problem&, int64_t, int64_t);
+
+RowsFn rows_fn() {
+  const int isa = std::min(best_isa(), g_isa_cap.load(std::memory_order_relaxed));
+  switch (isa) {
+    case kAvx512Bf16: return &linear::linear_rows_avx512bf16;
+    case kAvx512: return &linear::linear_rows_avx512;
+    case kAvx2: return &linear::linear_rows_avx2;
+    default: return &linear::linear_rows_scalar;
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> linear_isa_names() {
+  std::vector<std::string> out;
+  for (int i = best_isa(); i >= 0; --i) out.emplace_back(kIsaNames[i]);
+  return out;
+}
+
+std::string set_linear_isa(const std::string& name) {
+  const std::string prev = kIsaNames[std::min(best_isa(), g_isa_cap.load())];
+  int cap = kAvx512Bf16;
+  if (!name.empty()) {
+    cap = -1;
+    for (int i = 0; i <= kAvx512Bf16; ++i)
+      if (name == kIsaNames[i]) cap = i;
+    TORCH_CHECK_VALUE(cap >= 0, "isa must be one of scalar, avx2, avx512, avx512bf16 or \"\", got '", name, "'");
+    TORCH_CHECK_VALUE(cap <= best_isa(), "isa '", name, "' is not supported by this CPU (best: ",
+                      kIsaNames[best_isa()], ")");
+  }
+  g_isa_cap.store(cap);
+  return prev;
+}
+
+at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
+                            const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind) {
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = weight.size(0);
+  const bool dot = x_in.scalar_type() == at::kBFloat16 && kind == linear::WeightKind::kBF16;
+  // bf16 activations meet other weights as fp32 (exact widening, deterministic)
+  const at::Tensor x = (x_in.scalar_type() == at::kBFloat16 && !dot) ? x_in.to(at::kFloat) : x_in;
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0 || N == 0) return y;
+
+  linear::Problem p;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.x = x.data_ptr();
+  p.ldx = x.stride(0);
+  p.x_bf16 = dot;
+  p.w = weight.data_ptr();
+  p.kind = kind;
+  p.scales = scales.defined() ? scales.data_ptr() : nullptr;
+  p.mins = mins.defined() ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+  p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_bf16 = y.scalar_type() == at::kBFloat16;
+
+  const RowsFn fn = rows_fn();
+  // blocks of 4 output rows (the widest tile); ~64K multiply-adds per task at least
+  constexpr int64_t kBlock = 4;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    fn(p, b0 * kBlock, std::min(N, b1 * kBlock));
+  });
+  return y;
+}
+
+bool linear_dynamic_vnni() {
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return best_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
+  }();
+  return vnni && g_isa_cap.load(std::memory_order_relaxed) >= kAvx512;
+}
+
+at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
+                                    const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind) {
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = weight.size(0), G = K / linear::kGroup;
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);  // exact widening
+  at::Tensor y = at::empty({M, N}, x_in.options());
+  if (M == 0 || N == 0) return y;
+  linear::DynProblem p;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.pairs = (G + 1) / 2;
+  // quantized activations in one buffer: xq [M][pairs*64] int8, dx16 / sx8 [M][pairs*16], e [M][G]
+  const int64_t lanes = M * p.pairs * 16;
+  const at::Tensor buf = at::empty({M * p.pairs * 16 + 2 * lanes + M * G}, x.options());  // 4-byte words
+  p.xq = reinterpret_cast<const int8_t*>(buf.data_ptr<float>());
+  p.dx16 = buf.data_ptr<float>() + M * p.pairs * 16;
+  p.sx8 = reinterpret_cast<const int32_t*>(p.dx16 + lanes);
+  p.e = p.dx16 + 2 * lanes;
+  p.w = weight.data_ptr();
+  p.kind = kind;
+  p.scales = scales.data_ptr();
+  p.mins = mins.defined() ? static_cast<const uint16_t*>(mins.data_ptr()) : nullptr;
+  p.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  p.y = y.data_ptr();
+  p.y_bf16 = y.scalar_type() == at::kBFloat16;
+  const float* xp = x.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  const bool vnni = linear_dynamic_vnni();
+  const auto quant = vnni ? &linear::quantize_activations_avx512 : &linear::quantize_activations;
+  const int64_t qgrain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, K));
+  if (M <= qgrain) {
+    quant(xp, ldx, p, 0, M);
+  } else {
+    at::parallel_for(0, M, qgrain, [&](int64_t m0, int64_t m1) { quant(xp, ldx, p, m0, m1); });
+  }
+  const auto fn = vnni ? &linear::dynamic_rows_avx512vnni : &linear::dynamic_rows_scalar;
+  constexpr int64_t kBlock = 4;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(p, b0 * kBlock, std::min(N, b1 * kBlock)); });
+  return y;
+}
+
+}  // namespace specrt

@@ -1,0 +1,52 @@
+"""The one place that reads the ``draft=`` argument.
+
+    None / "none"        autoregressive decoding (no drafter)
+    "ngram[:min[:max]]"  prompt lookup (specrt.drafters.ngram)
+    "self:N"             the target's first N layers (specrt.drafters.self_draft)
+    "builtin" / folder   a draft model (specrt.drafters.model)
+
+Adding a drafter is a new module plus a line here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from specrt.drafters.base import Drafter, DraftSettings
+from specrt.drafters.model import ModelDrafter
+from specrt.drafters.ngram import NgramDrafter, NgramProposer
+from specrt.drafters.self_draft import SelfDrafter
+from specrt.loading import ModelLoader, resolve_model_path
+from specrt.models import check_draft_compatible
+
+
+def make_drafter(draft, target_path: Path, target, settings: DraftSettings, loader: ModelLoader, dtype,
+                 accept_head: bool = False) -> Drafter | None:
+    """The drafter for ``draft`` (None: no speculation). ``accept_head``: load the acceptance head
+    stored beside a draft model (policy="head"); other drafters cannot have one."""
+    kind = draft if isinstance(draft, str) else None
+    if draft is None or kind == "none":
+        drafter = None
+    elif kind is not None and kind.startswith("ngram"):
+        parts = kind.split(":")[1:]
+        drafter = NgramDrafter(NgramProposer(*(int(p) for p in parts)) if parts else NgramProposer(), settings.device)
+    elif kind is not None and kind.startswith("self:"):
+        drafter = SelfDrafter(target, int(kind.split(":", 1)[1]), settings)
+    else:
+        draft_path = resolve_model_path(draft, "draft")
+        check_draft_compatible(target_path, draft_path)
+        model = loader(draft_path, "draft", dtype, settings.device)
+        head = load_accept_head(draft_path, settings.device) if accept_head else None
+        return ModelDrafter(model, settings, accept_head=head)
+    if accept_head:
+        raise ValueError("policy='head' needs a draft model with an acceptance head (accept_head/ beside it)")
+    return drafter
+
+
+def load_accept_head(draft_path: Path, device):
+    from specrt.models.accept_head import AcceptanceHead
+
+    head_dir = draft_path / "accept_head"
+    if not head_dir.is_dir():
+        raise ValueError(f"policy='head': no acceptance head at {head_dir} (train one with "
+                         f"`python -m specrt.training.accept_head --target TARGET --draft {draft_path}`)")
+    return AcceptanceHead.load(head_dir).to(device).eval()

@@ -1,0 +1,68 @@
+"""Where the engine's models come from ("builtin", a name, a folder or a .gguf file) and the loader hook.
+
+A model loader is any ``loader(path, role, dtype, device) -> LlamaForCausalLM`` (role is
+"target" or "draft"); the engine takes one as a constructor argument, so tensor parallelism
+(shard the target, replicate the draft) and benchmarks (share loaded weights between engines)
+plug in without subclassing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specrt.models import load_model
+from specrt.models.linear import KINDS as QUANT_KINDS
+from specrt.models.loader import load_config, resolve_dtype
+from specrt.models.quant import quantize_model_
+from specrt.models.registry import BUILTIN_DIR, resolve_model
+
+ModelLoader = Callable[[Path, str, torch.dtype, torch.device], object]
+
+
+def resolve_model_path(path: str | Path, role: str) -> Path:
+    """The local source of ``path``: "builtin" (the bundled model of this role), a known name
+    (e.g. "smollm2-135m"), a model folder or a .gguf file; ValueError if missing."""
+    return resolve_model(path, role)
+
+
+def default_loader(path: Path, role: str, dtype: torch.dtype, device: torch.device):
+    """Load the whole model onto ``device`` (the role makes no difference here)."""
+    return load_model(path, dtype=dtype, device=device)
+
+
+def check_quantize(quantize, name: str) -> str | None:
+    """``quantize`` (None or one of QUANT_KINDS) or a ValueError naming the argument."""
+    if quantize is not None and quantize not in QUANT_KINDS:
+        raise ValueError(f"{name} must be None or one of {QUANT_KINDS}, got {quantize!r}")
+    return quantize
+
+
+def quantized_loader(loader: ModelLoader, quantize: str | None, dtype=None) -> ModelLoader:
+    """``loader`` whose models come back weight-only quantized to ``quantize`` (layers that stay
+    quantized: specrt.models.quant) and, when ``dtype`` is given (a torch dtype, its name or "auto"),
+    in that activation dtype instead of the one asked for. The default loader quantizes while
+    loading (``load_model(quantize=)``); any other loader's model is quantized in place after."""
+    if quantize is None and dtype is None:
+        return loader
+    if dtype is not None and dtype != "auto":
+        try:
+            resolve_dtype(dtype, None)  # a bad name fails here, before any model loads
+        except ValueError as e:
+            raise ValueError(f"draft_dtype: {e}") from None
+
+    def load(path: Path, role: str, engine_dtype: torch.dtype, device: torch.device):
+        dt = engine_dtype if dtype is None else resolve_dtype(dtype, load_config(path))
+        if loader is default_loader:
+            return load_model(path, dtype=dt, device=device, quantize=quantize)
+        model = loader(path, role, dt, device)
+        return model if quantize is None else quantize_model_(model, quantize)
+    return load
+
+
+def resolve_engine_dtype(dtype, device: torch.device, target_path: Path) -> torch.dtype:
+    """None: bfloat16 on CUDA, float32 elsewhere; "auto": the checkpoint's; a torch dtype or its name."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return resolve_dtype(dtype, load_config(target_path))

@@ -1,0 +1,236 @@
+"""Verification: the target's K+1 rows per request -> the tokens each request emits.
+
+Per request b with n_b drafts: the target scores its pending tokens (the context its KV does
+not hold yet, at least the last token) followed by its drafts, and the rows at the last pending
+token and at every draft are verified. The leading drafts the target agrees with are
+*accepted*; then one more token is emitted: the target's own choice at the first rejected
+position (*recovered*) or after the last draft when all were accepted (*bonus*). So a request
+emits num_accepted + 1 tokens per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from specrt import ops
+from specrt.attention import AttentionMetadata
+from specrt.config import SamplingParams
+from specrt.controls import TokenLogprob
+from specrt.drafters.base import DraftProposal, PreDraft
+from specrt.sampling import (BatchControls, RowLogprobs, apply_controls, batch_controls, logprob_records, mask_eos,
+                             pad_rows, param_rows, probs_from_logits, row_logprobs)
+
+
+@dataclass
+class VerifyBatch:
+    """One target forward over every request's pending tokens and drafts (T tokens, R verified rows,
+    then P prompt rows whose log-probabilities a request asked for)."""
+
+    input_ids: torch.Tensor            # [T] int64: per request its pending tokens, then its drafts
+    positions: torch.Tensor            # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor       # [R + P] int64: rows verified, R = sum(num_draft_tokens + 1), then prompt rows
+    draft_token_ids: torch.Tensor      # [B, K] int32, -1 padded
+    draft_probs: torch.Tensor | None   # [B, K, V] float32; None: one-hot drafts
+    num_draft_tokens: list[int]        # [B] host
+    num_draft_tokens_t: torch.Tensor   # [B] int32
+    pad_index: torch.Tensor            # [R] int64: verified row -> row of the [B * (K+1)] padded layout
+    seeds: torch.Tensor                # [B] int64: each request's Philox key
+    first_positions: torch.Tensor      # [B] int64: position of each request's first emitted token
+    params: list[SamplingParams]       # [B]
+    row_params: list[SamplingParams]   # [R] the sampling parameters of each verified row
+    output_index: list[int]            # [R] which output token (#) each verified row would emit
+    num_query_tokens: int              # T (the cost model's verified tokens)
+    num_context_tokens: int            # sum of the requests' sequence lengths
+    row_request: list[int] = field(default_factory=list)   # [R] request b of each verified row
+    row_offset: list[int] = field(default_factory=list)    # [R] drafts before each verified row (0..n_b)
+    controls: BatchControls | None = None                  # logit controls; None: no request has any
+    logprob_rows: list[int] = field(default_factory=list)  # verified rows whose requests want logprobs
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # [P] (request b, next prompt token)
+
+
+class Verified(NamedTuple):
+    """What verification produced, on the device."""
+
+    output_token_ids: torch.Tensor     # [B, K+1] int32, -1 padded (num_accepted + 1 valid)
+    num_accepted: torch.Tensor         # [B] int32
+    logprobs: RowLogprobs | None       # at vb.logprob_rows (of each row's output token)
+    prompt_logprobs: RowLogprobs | None   # at vb.prompt_rows
+
+
+@dataclass
+class VerifyResult:
+    """What verification decided, on the host (after the step's one device->host copy)."""
+
+    output_token_ids: list[list[int]]  # [B][K+1] emitted tokens: the first num_accepted + 1 are valid
+    num_accepted: list[int]            # [B]
+    pre_drafts: dict[int, PreDraft]    # row -> overlap pre-draft made for the next round
+    pre_draft_guess: list[int]         # [B] the bonus token each pre-draft assumed (-1: none)
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # request b -> rows 0..n_b
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)   # b -> per prompt token
+
+
+def _scores_prompt(r) -> bool:
+    """The request wants its prompt's log-probabilities and this is its first step."""
+    return r.params.prompt_logprobs is not None and r.prompt_logprobs is None and r.num_generated == 0
+
+
+def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatch:
+    """Lay out every request's pending tokens + drafts; reserve nothing (the slots exist). A request
+    scoring its prompt feeds all of it: positions whose KV is cached already (a shared prefix) are
+    recomputed for their logits without being written again (slot -1)."""
+    kmax = proposal.draft_token_ids.shape[1]
+    n = proposal.num_draft_tokens
+    host_ids, positions, draft_dest, draft_src, logit_rows, seq_lens, query_lens = [], [], [], [], [], [], []
+    unwritten, prompt_rows, prompt_logit_rows = [], [], []
+    for b, r in enumerate(batch):
+        start, L = r.target_cached, r.context_len
+        base = len(host_ids)
+        if _scores_prompt(r):
+            unwritten += range(base, base + start)
+            start = 0
+            prompt_rows += [(b, t) for t in r.prompt_token_ids[1:]]
+            prompt_logit_rows += range(base, base + L - 1)
+        pending = r.token_ids[start:]
+        host_ids += pending + [0] * n[b]
+        draft_dest += range(base + len(pending), base + len(pending) + n[b])
+        draft_src += range(b * kmax, b * kmax + n[b])
+        positions += range(start, L + n[b])
+        logit_rows += range(base + len(pending) - 1, base + len(pending) + n[b])
+        seq_lens.append(L + n[b])
+        query_lens.append(L + n[b] - start)
+
+    def dev(x, dtype=torch.int64):   # host -> device copies only
+        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+    input_ids = dev(host_ids)
+    if draft_dest:
+        input_ids[dev(draft_dest)] = proposal.draft_token_ids.view(-1).index_select(0, dev(draft_src)).long()
+    meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in batch],
+                                   kv.block_size, device)
+    if unwritten:
+        meta.slot_mapping[dev(unwritten)] = -1
+    counts = [k + 1 for k in n]
+    row_request = [b for b, c in enumerate(counts) for _ in range(c)]
+    return VerifyBatch(
+        input_ids=input_ids, positions=dev(positions), attn_metadata=meta,
+        logits_indices=dev(logit_rows + prompt_logit_rows), draft_token_ids=proposal.draft_token_ids,
+        draft_probs=proposal.draft_probs, num_draft_tokens=list(n), num_draft_tokens_t=dev(n, torch.int32),
+        pad_index=dev([b * (kmax + 1) + i for b, c in enumerate(counts) for i in range(c)]),
+        seeds=dev([r.seed for r in batch]), first_positions=dev([r.context_len for r in batch]),
+        params=[r.params for r in batch], row_params=[r.params for r, c in zip(batch, counts) for _ in range(c)],
+        output_index=[r.num_generated + i for r, c in zip(batch, counts) for i in range(c)],
+        num_query_tokens=sum(query_lens), num_context_tokens=sum(seq_lens),
+        row_request=row_request, row_offset=[i for c in counts for i in range(c)],
+        controls=batch_controls(batch, device),
+        logprob_rows=[j for j, b in enumerate(row_request) if batch[b].params.logprobs is not None],
+        prompt_rows=prompt_rows)
+
+
+def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_token_ids: list[int]) -> Verified:
+    """On the device: the emitted tokens from the target's logits [R + P, V] (verified rows, then
+    prompt rows): controls, then greedy verification or the sampling transform and rejection
+    sampling. ``acceptance`` None: no drafter (plain sampling)."""
+    B, kmax = len(vb.num_draft_tokens), vb.draft_token_ids.shape[1]
+    counts = [k + 1 for k in vb.num_draft_tokens]
+    R = len(vb.row_request)
+    prompt_logits, logits = logits[R:], logits[:R]                                   # [P, V], [R, V]
+    if vb.controls is not None:
+        apply_controls(logits, vb.controls, vb.row_request, vb.row_offset, vb.draft_token_ids)
+    mask_eos(logits, vb.row_params, vb.output_index, eos_token_ids)
+    probs = None
+    if all(p.greedy for p in vb.params):
+        tokens, accepted = ops.verify_greedy(pad_rows(logits, counts, kmax, vb.pad_index), vb.draft_token_ids,
+                                             vb.num_draft_tokens_t, check_values=False)
+    else:
+        probs = probs_from_logits(logits, param_rows(vb.params, counts, logits.device))   # [R, V]
+        padded = pad_rows(probs, counts, kmax, vb.pad_index)                              # [B, K+1, V]
+        if acceptance is None:
+            tokens = ops.sample_tokens(padded[:, 0].contiguous(), vb.seeds, vb.first_positions, purpose="target",
+                                       check_values=False)[:, None]
+            accepted = torch.zeros(B, dtype=torch.int32, device=logits.device)
+        else:
+            tokens, accepted = ops.rejection_sample(padded, vb.draft_probs, vb.draft_token_ids,
+                                                    vb.num_draft_tokens_t, vb.seeds, vb.first_positions,
+                                                    method=acceptance, check_values=False)
+    return Verified(tokens, accepted, _output_logprobs(vb, logits, probs, tokens),
+                    _prompt_logprobs(vb, prompt_logits))
+
+
+def _output_logprobs(vb: VerifyBatch, logits, probs, tokens) -> RowLogprobs | None:
+    """Of each logprob row's output token (specrt.controls: the log of the distribution it was drawn
+    from; the log-softmax of the controlled logits for a greedy request)."""
+    if not vb.logprob_rows:
+        return None
+    dev = logits.device
+    rows = torch.tensor(vb.logprob_rows, dtype=torch.int64).to(dev, non_blocking=True)
+    params = [vb.row_params[j] for j in vb.logprob_rows]
+    logp = torch.log_softmax(logits.index_select(0, rows), -1)                        # [L, V]
+    if probs is not None:
+        greedy = torch.tensor([p.greedy for p in params]).to(dev, non_blocking=True)
+        logp = torch.where(greedy[:, None], logp, probs.index_select(0, rows).log())
+    req = [vb.row_request[j] for j in vb.logprob_rows]
+    col = [min(vb.row_offset[j], tokens.shape[1] - 1) for j in vb.logprob_rows]
+    tok = tokens[torch.tensor(req).to(dev, non_blocking=True), torch.tensor(col).to(dev, non_blocking=True)]
+    return row_logprobs(logp, tok.clamp(min=0), [p.logprobs for p in params])
+
+
+def _prompt_logprobs(vb: VerifyBatch, logits) -> RowLogprobs | None:
+    if not vb.prompt_rows:
+        return None
+    tok = torch.tensor([t for _, t in vb.prompt_rows], dtype=torch.int64).to(logits.device, non_blocking=True)
+    return row_logprobs(torch.log_softmax(logits, -1), tok,
+                        [vb.params[b].prompt_logprobs for b, _ in vb.prompt_rows])
+
+
+def commit_logprobs(r, b: int, result: VerifyResult) -> list[TokenLogprob] | None:
+    """At request r's commit (row b): store its prompt's log-probabilities if this step scored them,
+    and return its verified rows' (for ``Request.append_tokens``)."""
+    if _scores_prompt(r):
+        r.prompt_logprobs = result.prompt_logprobs.get(b, [None])
+    return result.logprobs.get(b)
+
+
+def _flat(x: RowLogprobs | None) -> list[torch.Tensor]:
+    if x is None:
+        return []
+    return [x.token_logprob.float().view(torch.int32).reshape(-1), x.top_logprob.float().view(torch.int32).reshape(-1),
+            x.top_token.to(torch.int32).reshape(-1)]
+
+
+def _unflat(host: torch.Tensor, at: int, x: RowLogprobs | None) -> tuple[int, tuple | None]:
+    """The host lists of ``x`` packed by _flat from ``host[at:]``; returns (next offset, lists)."""
+    if x is None:
+        return at, None
+    L, N = x.top_logprob.shape
+    lp = host[at:at + L].view(torch.float32).tolist()
+    top_lp = host[at + L:at + L + L * N].view(torch.float32).view(L, N).tolist()
+    top_tok = host[at + L + L * N:at + L + 2 * L * N].view(L, N).tolist()
+    return at + L + 2 * L * N, (lp, top_lp, top_tok, x.top_n)
+
+
+def to_host(vb: VerifyBatch, verified: Verified, pre: dict[int, PreDraft]) -> VerifyResult:
+    """The step's one intentional device->host sync (tokens, counts, the pre-drafts' guesses and any
+    log-probabilities, all as one int32 tensor)."""
+    tokens, accepted = verified.output_token_ids, verified.num_accepted
+    B = tokens.shape[0]
+    guesses = torch.full((B,), -1, dtype=torch.int32, device=tokens.device)
+    if pre:
+        idx = torch.tensor(list(pre), dtype=torch.int64).to(tokens.device, non_blocking=True)
+        guesses[idx] = torch.stack([p.guess for p in pre.values()]).to(torch.int32)
+    head = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]], 1)
+    host = torch.cat([head.reshape(-1)] + _flat(verified.logprobs) + _flat(verified.prompt_logprobs)).cpu()
+    table = host[:head.numel()].view(head.shape)
+    result = VerifyResult(table[:, :-2].tolist(), table[:, -2].tolist(), pre, table[:, -1].tolist())
+    at, out = _unflat(host, head.numel(), verified.logprobs)
+    if out is not None:
+        out_tokens = [result.output_token_ids[vb.row_request[j]][vb.row_offset[j]] for j in vb.logprob_rows]
+        for j, rec in zip(vb.logprob_rows, logprob_records(out_tokens, *out)):
+            result.logprobs.setdefault(vb.row_request[j], []).append(rec)
+    _, prompt = _unflat(host, at, verified.prompt_logprobs)
+    if prompt is not None:
+        for (b, _), rec in zip(vb.prompt_rows, logprob_records([t for _, t in vb.prompt_rows], *prompt)):
+            result.prompt_logprobs.setdefault(b, [None]).append(rec)
+    return result

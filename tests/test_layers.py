@@ -1,0 +1,223 @@
+"""The import graph keeps the layer order of README.md's Layout section: every specrt module's
+imports (parsed with ast, lazy ones inside functions included) point down the list, and no
+modules import each other in a loop. The bench/ package sits above the runtime and uses only
+its public names."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom first; a module may import only modules of its own unit or of units listed before it.
+# A unit is a top-level specrt module or subpackage ("specrt" alone: the package's lazy facade).
+LAYERS = [
+    "specrt._C",            # the compiled extension (csrc/)
+    "specrt.reference",      # pure torch: the oracle, and the ops' fallback for non-CPU tensors
+    "specrt.ops",
+    "specrt.config",
+    "specrt.health",
+    "specrt.metrics",
+    "specrt.controls",
+    "specrt.attention",
+    "specrt.models",
+    "specrt.kv_cache",
+    "specrt.loading",
+    "specrt.sampling",
+    "specrt.drafters",
+    "specrt.policy",
+    "specrt.scheduler",
+    "specrt.verify",
+    "specrt.intake",
+    "specrt.engine",
+    "specrt.distributed",
+    "specrt.warmup",
+    "specrt.llm",
+    "specrt",
+    "specrt.server",
+    "specrt.training",
+    "specrt.cli",
+    "bench",
+]
+
+# Upward imports allowed, each lazy (inside a function) and named in README.md's Layout section.
+ALLOWED_UPWARD = {
+    ("specrt.cli", "bench.cli"),    # `specrt bench` dispatches to the source checkout's bench/ package
+}
+
+
+def _modules(package: str) -> dict[str, Path]:
+    mods = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+MODULES = {**_modules("specrt"), **_modules("bench")}
+
+
+def _resolve(name: str) -> str | None:
+    """The module a dotted import name lands in (specrt._C is the compiled extension)."""
+    if name == "specrt._C":
+        return name
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _dynamic_target(node: ast.Call) -> str | None:
+    """importlib.import_module("x") / __import__("x") with a constant name."""
+    f = node.func
+    named = (isinstance(f, ast.Name) and f.id == "__import__") or \
+        (isinstance(f, ast.Attribute) and f.attr == "import_module")
+    if named and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        return node.args[0].value
+    return None
+
+
+def _import_names(module: str, path: Path, node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+            base = ".".join(pkg[:len(pkg) - node.level + 1] + ([base] if base else []))
+        # `from a import b` imports module a.b when there is one, else a name of a
+        return [f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}" else base
+                for a in node.names]
+    if isinstance(node, ast.Call):
+        target = _dynamic_target(node)
+        return [target] if target else []
+    return []
+
+
+def edges() -> list[tuple[str, str, int, bool]]:
+    """(importer, imported, line, lazy) for every import between specrt/bench modules."""
+    out = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), str(path))
+        lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            for name in _import_names(module, path, node):
+                if not name.startswith(("specrt", "bench")):
+                    continue
+                target = _resolve(name)
+                if target is not None and target != module:
+                    out.append((module, target, node.lineno, id(node) in lazy))
+    return out
+
+
+def unit(module: str) -> str:
+    """The LAYERS entry a module belongs to (its longest listed prefix)."""
+    best = max((u for u in LAYERS if module == u or module.startswith(u + ".")), key=len, default=None)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and README.md's Layout"
+    return best
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        unit(module)
+
+
+def test_imports_point_down_the_layers():
+    rank = {u: i for i, u in enumerate(LAYERS)}
+    upward = []
+    for src, dst, line, lazy in edges():
+        if rank[unit(dst)] > rank[unit(src)]:
+            if lazy and (src, dst) in ALLOWED_UPWARD:
+                continue
+            upward.append(f"{MODULES[src].relative_to(ROOT)}:{line} imports {dst} ({unit(src)} -> {unit(dst)}"
+                          f"{', lazy' if lazy else ''})")
+    assert not upward, "imports pointing up the layer list:\n" + "\n".join(upward)
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}     # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_loops():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, lazy in edges():
+        if not (lazy and (src, dst) in ALLOWED_UPWARD):
+            graph.setdefault(src, set()).add(dst)
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import loop: " + " -> ".join(cycle)
+
+
+def test_only_ops_imports_the_extension():
+    importers = sorted({s for s, d, _, _ in edges() if d == "specrt._C"})
+    assert importers == ["specrt.ops"], importers
+
+
+def test_cycle_finder_finds_loops():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_checker_sees_lazy_relative_and_dynamic_imports():
+    """The parser must catch the imports it is meant to police (else every test above passes vacuously)."""
+    found = {(s, d): lazy for s, d, _, lazy in edges()}
+    assert found[("specrt.engine", "specrt.scheduler")] is False
+    assert found[("specrt.cli", "bench.cli")] is True              # importlib.import_module, in a function
+    assert ("specrt.ops", "specrt._C") in found
+    assert any(s == "specrt.cli" and d == "specrt.server" for s, d in found)     # __import__("specrt.server")
+
+
+def test_readme_layout_names_every_layer():
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    for u in LAYERS:
+        if u in ("specrt", "specrt._C"):
+            continue
+        shown = u.replace(".", "/") + ("/" if (ROOT / u.replace(".", "/")).is_dir() else ".py")
+        assert shown.removeprefix("specrt/") in layout or shown in layout, f"{shown} missing from README Layout"
+    assert "lazy" in layout and "specrt bench" in layout      # the allowed upward import is documented
+
+
+def _private_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specrt"):
+            bad += [f"line {node.lineno}: imports {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            # self / cls, and torch's own underscore API (torch._weight_int8pack_mm) are fine
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls", "torch")):
+                bad.append(f"line {node.lineno}: reads .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "__new__":
+            bad.append(f"line {node.lineno}: calls __new__")
+    return bad
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench").glob("*.py")), ids=lambda p: p.name)
+def test_bench_uses_public_names_only(path):
+    """Benchmarks use public hooks: no private attribute of another object, no private import."""
+    assert not _private_uses(path), _private_uses(path)
