@@ -45,6 +45,7 @@ Example (engine side: one draft step for every request at once)::
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -54,9 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrt.kv_cache import AttentionMetadata
+from specrt.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
-from specrt.models.llama import LlamaDecoderLayer, RMSNorm, RotaryEmbedding, rms_norm, rope_operands
+from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding, rms_norm, rope_operands
 
 ARCHITECTURE = "SpecrtDraftModel"
 KINDS = ("feature", "layers")
@@ -128,7 +129,7 @@ class DraftModel(nn.Module):
         self.rotary = RotaryEmbedding(lc)
         self.embed: torch.Tensor | None = None  # [V, H] the target's embedding (bound, not saved)
         self.head: torch.Tensor | None = None   # [N, H] its rows at draft_to_target
-        self._prepared = False
+        self.__dict__["_lm"] = None             # causal_lm(), built on first use
 
     # ------------------------------------------------------------------ binding and I/O
     def bind_target(self, embed_weight: torch.Tensor) -> "DraftModel":
@@ -140,6 +141,7 @@ class DraftModel(nn.Module):
         dtype, dev = self.norm.weight.dtype, self.norm.weight.device
         self.embed = embed_weight.detach().to(dev, dtype)
         self.head = self.embed.index_select(0, self.draft_to_target.to(dev)).contiguous()
+        self.__dict__["_lm"] = None
         return self
 
     @property
@@ -189,7 +191,6 @@ class DraftModel(nn.Module):
         return model.eval().requires_grad_(False)
 
     def _apply(self, fn, *args, **kwargs):
-        self._prepared = False
         out = super()._apply(fn, *args, **kwargs)
         if self.embed is not None:  # keep the bound target tensors on the draft's device / dtype
             self.bind_target(self.embed)
@@ -223,11 +224,33 @@ class DraftModel(nn.Module):
         """Reduced-vocabulary logits [..., N] of final-normed states h [..., H]."""
         return F.linear(h, self.head)
 
+    def causal_lm(self) -> LlamaForCausalLM:
+        """The engine's view of this draft: a LlamaForCausalLM over the draft's own layers and norm,
+        the bound target embedding (shared, not copied) and the reduced head as its lm_head [N, H],
+        so a paged forward runs specrt's decode path (fused ops, small-M projections) and returns
+        logits over the draft vocabulary. Built once per binding (``bind_target`` / ``.to()`` rebuild)."""
+        lm = self.__dict__.get("_lm")  # kept out of the module tree: no second copy in state_dict
+        if lm is not None:
+            return lm
+        if self.embed is None:
+            raise RuntimeError("DraftModel: call bind_target() (or from_pretrained(target=...)) first")
+        cfg = dataclasses.replace(self.config.layer_config, tie_word_embeddings=False)
+        with torch.device("meta"):
+            lm = LlamaForCausalLM(cfg)
+            head = nn.Linear(self.config.hidden_size, self.config.draft_vocab_size, bias=False)
+        lm.model.embed_tokens = nn.Embedding.from_pretrained(self.embed, freeze=True)
+        lm.model.layers, lm.model.norm = self.layers, self.norm
+        head.weight = nn.Parameter(self.head, requires_grad=False)
+        lm.lm_head = head
+        lm.rotary = self.rotary
+        self.__dict__["_lm"] = lm.eval()
+        return lm
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, features: torch.Tensor | None = None,
                 logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step over a mixed batch through the paged KV cache (like LlamaForCausalLM.forward).
+        """One step over a mixed batch through the paged KV cache (``causal_lm``'s forward).
 
         input_ids [T] int64; positions [T] int64; features [T, H] (feature drafts: the feature of
         each row's PREVIOUS position, zeros at position 0); kv_cache [layers, 2, num_blocks,
@@ -237,20 +260,10 @@ class DraftModel(nn.Module):
         """
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
-        if kv_cache.dim() != 6 or kv_cache.shape[0] < len(self.layers):
-            raise ValueError(f"kv_cache {tuple(kv_cache.shape)}: expected [>={len(self.layers)} layers, 2, ...]")
-        if not self._prepared:
-            for layer in self.layers:
-                layer.prepare()
-            self._prepared = True
-        x = self.embed_inputs(input_ids, features)  # [T, H]
-        cos, sin = rope_operands(*self.rotary.cos_sin(positions, x.dtype, max(meta.seq_lens_host)))
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, meta, kv_cache)
-        if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        h = rms_norm(x, self.norm.weight, self.norm.eps)  # [L, H]
-        return self.logits(h).float(), h
+        lm = self.causal_lm()
+        x = self.embed_inputs(input_ids, features) if self.fc is not None else None  # [T, H]
+        return lm(input_ids, positions, meta, kv_cache, logits_indices=logits_indices, return_hidden=True,
+                  inputs_embeds=x)
 
     def dense_layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     past: list[tuple[torch.Tensor, torch.Tensor]] = (), mask: torch.Tensor | None = None):
@@ -290,3 +303,61 @@ class DraftModel(nn.Module):
             x, _ = self.dense_layer(i, x, cos, sin)
         h = rms_norm(x, self.norm.weight, self.norm.eps)
         return self.logits(h), h
+
+
+def check_draft_target(config: DraftConfig, draft_to_target: torch.Tensor, target_config: ModelConfig,
+                       draft_generation: dict, target_generation: dict, where: str = "draft") -> None:
+    """ValueError listing every way the draft does not fit the target: the embedding it binds
+    ([target_vocab_size, target_hidden_size]), its id map (ascending, unique, inside the target's
+    vocabulary) and the bos / eos ids both folders declare."""
+    diffs = []
+    if config.target_vocab_size != target_config.vocab_size:
+        diffs.append(f"vocab size: the draft was made for {config.target_vocab_size}, the target has "
+                     f"{target_config.vocab_size}")
+    if config.target_hidden_size != target_config.hidden_size:
+        diffs.append(f"hidden size: the draft was made for {config.target_hidden_size}, the target has "
+                     f"{target_config.hidden_size}")
+    ids = draft_to_target.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= target_config.vocab_size
+                        or not bool((ids[1:] > ids[:-1]).all())):
+        diffs.append(f"draft_to_target must be ascending unique ids in [0, {target_config.vocab_size})")
+    for key in ("bos_token_id", "eos_token_id"):
+        d, t = draft_generation.get(key), target_generation.get(key)
+        as_set = lambda v: set(v) if isinstance(v, list) else {v}  # noqa: E731
+        if d is not None and t is not None and as_set(d) != as_set(t):
+            diffs.append(f"{key}: target {t} != draft {d}")
+    if diffs:
+        raise ValueError(f"{where} is incompatible with the target:\n  - " + "\n  - ".join(diffs))
+
+
+def load_draft_for_target(folder, target, target_generation: dict, dtype=None, device="cpu",
+                          quantize: str | None = None) -> DraftModel:
+    """A draft folder ready for the engine: checked against ``target`` (a LlamaForCausalLM), bound
+    to its embeddings, in ``dtype`` (None: the target's; "auto": the folder's torch_dtype) and,
+    with ``quantize``, its projections and head weight-only quantized (specrt.models.quant)."""
+    from specrt.models.loader import resolve_dtype
+    from specrt.models.quant import quantize_model_
+
+    folder = Path(folder)
+    if not is_draft_folder(folder):
+        raise ValueError(f"{folder} is not a specrt draft folder (config.json with architectures [{ARCHITECTURE!r}])")
+    raw = json.loads((folder / "config.json").read_text())
+    config = DraftConfig.from_dict(raw, str(folder))
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    dt = target.dtype if dtype is None else resolve_dtype(dtype, config.layer_config)
+    draft = DraftModel.from_pretrained(folder, None, dtype=dt, device=device)
+    check_draft_target(config, draft.draft_to_target, target.config, gen, target_generation, f"draft {folder}")
+    draft.bind_target(target_embedding(target))
+    if quantize is not None:
+        quantize_model_(draft.causal_lm(), quantize, embeddings=False)
+    return draft
+
+
+def target_embedding(target) -> torch.Tensor:
+    """The target's token embedding [V, H]: its weight, or a quantized table's rows dequantized."""
+    emb = target.model.embed_tokens
+    if isinstance(emb, nn.Embedding):
+        return emb.weight
+    ids = torch.arange(emb.num_embeddings, device=target.device)
+    return emb(ids)  # QuantEmbedding: dequantized rows in the target's dtype
