@@ -214,6 +214,20 @@ def test_draft_dtype_applies_to_a_reduced_draft(pair):
     assert tokens(eng.generate(PROMPTS[:2], GREEDY)) == tokens(llm(pair, "none").generate(PROMPTS[:2], GREEDY))
 
 
+def test_a_quantized_target_lends_its_dequantized_embeddings(pair):
+    """target_quantize quantizes the target's embedding table: the draft binds its dequantized rows;
+    draft_quantize quantizes the draft's own projections and head."""
+    tdir, ddir = pair
+    ar = specrt.LLM(target=str(tdir), target_quantize="int8", seed=0)
+    sp = specrt.LLM(target=str(tdir), draft=str(ddir), target_quantize="int8", draft_quantize="int8", seed=0,
+                    spec=SpecConfig(max_draft_length=3))
+    from specrt.models.linear import QuantLinear
+
+    assert isinstance(sp.engine.drafter.model.lm_head, QuantLinear)
+    assert tokens(sp.generate(PROMPTS, GREEDY)) == tokens(ar.generate(PROMPTS, GREEDY))
+    assert sp.stats()["total"]["accepted_tokens"] > 0
+
+
 def test_the_shipped_draft_resolves_by_name(monkeypatch, tmp_path):
     from specrt.models import registry
 
