@@ -73,6 +73,13 @@ assert ops.cuda_built() and torch.cuda.is_available()
 # 3. tests: the CUDA kernels first (bit-identical to CPU, graphs, no syncs), then the
 #    rest of the kernel tests with CUDA available.
 step test_cuda_kernels 200 "$PY" -m pytest -q -rs tests/test_cuda_kernels.py --junitxml="$OUT/test_cuda_kernels.xml"
+# the other files with CUDA cases (paged attention, controls, fused ops, linear, opcheck, overlap)
+CUDA_TESTS=()
+for f in tests/test_attention_kernel.py tests/test_controls_kernels.py tests/test_fused_ops.py tests/test_linear.py \
+         tests/test_opcheck.py tests/test_knobs_overlap.py tests/test_models.py; do
+  [ -f "$f" ] && CUDA_TESTS+=("$f")
+done
+step test_cuda_more 150 "$PY" -m pytest -q -rs "${CUDA_TESTS[@]}" --junitxml="$OUT/test_cuda_more.xml"
 KERNEL_TESTS=()
 for f in tests/test_ops_reference.py tests/test_randomness.py tests/test_kv_ops.py tests/test_bad_input.py \
          tests/test_kv_cache.py; do
@@ -87,12 +94,6 @@ fi
 # 4. kernel microbenchmark (CUDA events; GB/s vs measured copy bandwidth), ending with its
 #    attention section (paged attention vs gather + SDPA, bench/attention.py)
 step bench_kernels 150 "$PY" -m bench.kernels --out "$OUT/kernels.json"
-
-# ---------------------------------------------------------------------------
-# ENGINE BENCHMARK: to be added here by the engine issue, e.g.
-#   step bench_engine 120 "$PY" bench/engine.py --out "$OUT/engine.json"
-# Keep the whole script under 8 minutes: budget what is left after the steps above.
-# ---------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------
 # 5. END-TO-END (the bench/ package, `python -m bench`; results in OUTDIR/e2e/)
@@ -113,6 +114,7 @@ echo "total $(( $(date +%s) - T0 ))s" | tee -a "$SUMMARY"
 # Short digest of the results at the end of the summary.
 {
   echo "--- test_cuda_kernels (tail)"; tail -n 15 "$OUT/test_cuda_kernels.log" 2>/dev/null
+  echo "--- test_cuda_more (tail)"; tail -n 15 "$OUT/test_cuda_more.log" 2>/dev/null
   echo "--- test_kernels (tail)"; tail -n 8 "$OUT/test_kernels.log" 2>/dev/null
   echo "--- test_exactness (tail)"; tail -n 5 "$OUT/test_exactness.log" 2>/dev/null
   echo "--- bench_kernels"; cat "$OUT/bench_kernels.log" 2>/dev/null | tail -n 90

@@ -35,7 +35,7 @@ def modes_for(args, loader, temperature: float) -> dict:
     from specrt import SamplingParams, SpecConfig
 
     params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    spec = lambda k: SpecConfig(max_draft_length=k, policy="fixed")  # noqa: E731
+    spec = lambda k: SpecConfig(max_draft_length=k, policy=args.policy)  # noqa: E731
     llm = lambda draft, k=1: make_llm(args.target, draft, spec(k), "cpu", args.dtype, model_loader=loader)  # noqa: E731
     modes = {"ar": (llm(None), params)}
     for k in args.ks:
@@ -50,12 +50,14 @@ def summarize(res: dict, costs: dict) -> dict:
     for m, r in res.items():
         row = {"tokens_per_s": round(r["tokens_per_s"], 2), "speedup": round(r.get("speedup", 1.0), 3),
                "speedup_interval": [round(x, 3) for x in r.get("speedup_interval", [1.0, 1.0])],
+               "drafted_tokens_per_step": round(r["drafted_tokens_per_step"], 3),
                "tau": round(r["tau"], 3), "identical_to_ar": r.get("identical_to_ar"),
                "acceptance_per_position": [round(a, 3) for a in r["acceptance_rate_per_position"]]}
         if m.startswith("draft_k"):
             k = int(m[len("draft_k"):])
+            k_run = r["drafted_tokens_per_step"] or k   # what an adaptive policy actually drafted
             c, v = costs["c"]["draft"], costs["v"][k]
-            row["theoretical_speedup"] = round(theoretical_speedup(r["tau"], c, k, v), 3)
+            row["theoretical_speedup"] = round(theoretical_speedup(r["tau"], c, k_run, v), 3)
         out[m] = row
     return out
 
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--ks", default="1,2,3", help="draft lengths to run the draft at")
+    ap.add_argument("--policy", default="fixed", choices=["fixed", "confidence", "budget", "auto"],
+                    help="draft-length policy of the speculative modes (K is its maximum)")
     ap.add_argument("--no-ngram", dest="ngram", action="store_false")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1, help="which held-out prompts")

@@ -4,26 +4,21 @@
 // Every check names the argument and says what was expected: shapes, dtypes,
 // devices and contiguity always; values (lengths, block ids) always on the CPU
 // (the kernel reads through them) and on CUDA only when check_values is set
-// (each read is a device->host sync; specrt/ops.py sets it in debug mode).
+// (each read is a device->host sync; specrt/ops/ sets it in debug mode).
 #include <torch/library.h>
 
 #include <cmath>
 #include <string>
 
 #include "attention_ops.h"
+#include "checks.h"
 
 namespace specrt {
 namespace {
 
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
 void check_input(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
   TORCH_CHECK_VALUE(t.defined(), name, " must be a tensor, got None");
-  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_of(t));
+  TORCH_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got shape ", shape_str(t));
   TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device.str(), " (like q), got ", t.device().str());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
@@ -97,10 +92,10 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK_VALUE(kv_cache.size(0) == 2 && kv_cache.size(1) > 0 && kv_cache.size(2) > 0 && kv_cache.size(3) > 0 &&
                         kv_cache.size(4) == D,
                     "kv_cache must be one layer's [2, num_blocks, block_size, kv_heads, head_dim=", D,
-                    "] (head_dim from q), got shape ", shape_of(kv_cache));
+                    "] (head_dim from q), got shape ", shape_str(kv_cache));
   const int64_t Hkv = kv_cache.size(3);
   TORCH_CHECK_VALUE(H > 0 && D > 0 && H % Hkv == 0, "q must be [T, heads, head_dim] with heads a multiple of the ",
-                    Hkv, " kv heads of kv_cache, got shape ", shape_of(q));
+                    Hkv, " kv heads of kv_cache, got shape ", shape_str(q));
   check_input(block_tables, "block_tables", 2, device);
   check_dtype(block_tables, "block_tables", at::kInt);
   check_input(seq_lens, "seq_lens", 1, device);
@@ -109,15 +104,15 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
   check_dtype(query_start_loc, "query_start_loc", at::kLong);
   const int64_t B = seq_lens.size(0);
   TORCH_CHECK_VALUE(block_tables.size(0) == B, "block_tables must have one row per request (", B,
-                    " = seq_lens.shape[0]), got shape ", shape_of(block_tables));
+                    " = seq_lens.shape[0]), got shape ", shape_str(block_tables));
   TORCH_CHECK_VALUE(query_start_loc.size(0) == B + 1, "query_start_loc must be [B+1] = [", B + 1,
-                    "] (B from seq_lens), got shape ", shape_of(query_start_loc));
+                    "] (B from seq_lens), got shape ", shape_str(query_start_loc));
   TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be finite, got ", scale);
   TORCH_CHECK_VALUE(window >= 0, "window must be >= 0 (0 = no sliding window), got ", window);
   TORCH_CHECK_VALUE(max_query_len >= 0 && max_seq_len >= 0 && max_seq_len < (int64_t{1} << 31),
                     "max_query_len (", max_query_len, ") and max_seq_len (", max_seq_len,
                     ") must be in [0, 2^31)");
-  TORCH_CHECK_VALUE(T * H < (int64_t{1} << 31), "q has too many rows x heads: ", shape_of(q));
+  TORCH_CHECK_VALUE(T * H < (int64_t{1} << 31), "q has too many rows x heads: ", shape_str(q));
 
   PagedAttentionArgs a;
   a.q = q;

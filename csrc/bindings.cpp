@@ -5,9 +5,9 @@
 // An op body validates every argument and names it in the error (checks.h),
 // allocates the outputs and calls the backend kernel it was given (ops.h).
 // Value checks (NaN, negative probabilities, token ids, mapping ranges) read
-// the data: specrt/ops.py asks for them on CPU tensors unless the caller
+// the data: specrt/ops/ asks for them on CPU tensors unless the caller
 // passes check_values=False, and on CUDA tensors only in debug mode (each
-// costs a device->host sync). Fake kernels live in specrt/ops.py.
+// costs a device->host sync). Fake kernels live in specrt/ops/fakes.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -356,7 +356,7 @@ bool cuda_built() {
 }  // namespace
 }  // namespace specrt
 
-// Schemas: one per op; mutated arguments are marked (a!). specrt/ops.py holds
+// Schemas: one per op; mutated arguments are marked (a!). specrt/ops/ holds
 // the documented Python wrappers and the fake (meta) kernels.
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def("probs_from_logits(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor? min_p=None, "
@@ -419,7 +419,7 @@ TORCH_LIBRARY_IMPL(specrt, Autograd, m) {
 }
 
 // Not tensor ops: build facts and the Philox known-answer hook. Importing this
-// module loads the library above (specrt/ops.py is its only importer).
+// module loads the library above (specrt/ops/library.py is its only importer).
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   m.doc() = "specrt compiled kernels (registered as torch.ops.specrt.*); use specrt.ops, not this module";

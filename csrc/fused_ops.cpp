@@ -6,16 +6,11 @@
 
 #include <string>
 
+#include "checks.h"
 #include "cpu/fused_cpu.h"
 
 namespace specrt {
 namespace {
-
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
 
 // a CPU float32 / bfloat16 matrix with unit stride in its last dim
 void check_rows(const at::Tensor& t, const char* name) {
@@ -23,7 +18,7 @@ void check_rows(const at::Tensor& t, const char* name) {
                     t.device().str());
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
                    " must be float32 or bfloat16, got ", c10::toString(t.scalar_type()));
-  TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [T, ...], got shape ", shape_of(t));
+  TORCH_CHECK_VALUE(t.dim() == 2, name, " must be 2-D [T, ...], got shape ", shape_str(t));
   TORCH_CHECK_VALUE(t.stride(1) == 1 || t.size(1) <= 1, name, " must have unit stride in its last dim");
   TORCH_CHECK_VALUE(t.stride(0) >= t.size(1) || t.size(0) <= 1, name, " rows must not overlap");
 }
@@ -37,7 +32,7 @@ void check_weight(const at::Tensor& weight, const at::Tensor& x) {
   TORCH_CHECK_VALUE(weight.device().is_cpu(), "weight must be on the CPU, got ", weight.device().str());
   check_like(weight, "weight", x, "x");
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(1), "weight must have shape [H=", x.size(1),
-                    "], got ", shape_of(weight));
+                    "], got ", shape_str(weight));
   TORCH_CHECK_VALUE(weight.is_contiguous(), "weight must be contiguous");
 }
 
@@ -51,8 +46,8 @@ at::Tensor add_rms_norm_op(at::Tensor& residual, const at::Tensor& x, const at::
   check_rows(residual, "residual");
   check_rows(x, "x");
   check_like(x, "x", residual, "residual");
-  TORCH_CHECK_VALUE(x.sizes() == residual.sizes(), "x must have the shape of residual ", shape_of(residual),
-                    ", got ", shape_of(x));
+  TORCH_CHECK_VALUE(x.sizes() == residual.sizes(), "x must have the shape of residual ", shape_str(residual),
+                    ", got ", shape_str(x));
   check_weight(weight, x);
   return rms_norm_cpu(x, weight, eps, residual);
 }
@@ -67,7 +62,7 @@ void check_cos_sin(const at::Tensor& t, const char* name, const at::Tensor& qkv,
   check_rows(t, name);
   check_like(t, name, qkv, "qkv");
   TORCH_CHECK_VALUE(t.size(0) == qkv.size(0) && t.size(1) == D, name, " must have shape [T=", qkv.size(0),
-                    ", head_dim=", D, "], got ", shape_of(t));
+                    ", head_dim=", D, "], got ", shape_str(t));
 }
 
 void check_slots(const at::Tensor& slot_mapping, int64_t T, int64_t num_slots) {
@@ -75,7 +70,7 @@ void check_slots(const at::Tensor& slot_mapping, int64_t T, int64_t num_slots) {
   TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64, got ",
                    c10::toString(slot_mapping.scalar_type()));
   TORCH_CHECK_VALUE(slot_mapping.dim() == 1 && slot_mapping.size(0) == T && slot_mapping.is_contiguous(),
-                    "slot_mapping must be a contiguous [T=", T, "] tensor, got shape ", shape_of(slot_mapping));
+                    "slot_mapping must be a contiguous [T=", T, "] tensor, got shape ", shape_str(slot_mapping));
   const int64_t* s = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK_VALUE(s[t] >= -1 && s[t] < num_slots, "slot_mapping[", t, "] = ", s[t], " is out of range [-1, ",
@@ -90,9 +85,9 @@ at::Tensor rotary_write_kv_op(at::Tensor& qkv, const at::Tensor& cos, const at::
                     num_heads, " and ", num_kv_heads);
   const int64_t D = cos.dim() == 2 ? cos.size(1) : -1;
   TORCH_CHECK_VALUE(D > 0 && D % 2 == 0, "cos must be [T, head_dim] with an even head_dim, got shape ",
-                    shape_of(cos));
+                    shape_str(cos));
   TORCH_CHECK_VALUE(qkv.size(1) == (num_heads + 2 * num_kv_heads) * D, "qkv must be [T, (num_heads + 2 num_kv_heads) * ",
-                    "head_dim = ", (num_heads + 2 * num_kv_heads) * D, "], got shape ", shape_of(qkv));
+                    "head_dim = ", (num_heads + 2 * num_kv_heads) * D, "], got shape ", shape_str(qkv));
   check_cos_sin(cos, "cos", qkv, D);
   check_cos_sin(sin, "sin", qkv, D);
   TORCH_CHECK_VALUE(sin.stride(0) == cos.stride(0), "cos and sin must have the same row stride");
@@ -102,7 +97,7 @@ at::Tensor rotary_write_kv_op(at::Tensor& qkv, const at::Tensor& cos, const at::
   TORCH_CHECK_VALUE(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.size(4) == num_kv_heads &&
                         kv_cache.size(5) == D && kv_cache.is_contiguous(),
                     "kv_cache must be a contiguous [layers, 2, num_blocks, block_size, num_kv_heads=", num_kv_heads,
-                    ", head_dim=", D, "] tensor, got shape ", shape_of(kv_cache));
+                    ", head_dim=", D, "] tensor, got shape ", shape_str(kv_cache));
   TORCH_CHECK_VALUE(layer >= 0 && layer < kv_cache.size(0), "layer = ", layer, " is out of range for kv_cache with ",
                     kv_cache.size(0), " layers");
   const at::ScalarType qdt = q_dtype.value_or(qkv.scalar_type());

@@ -6,18 +6,13 @@
 
 #include <string>
 
+#include "checks.h"
 #include "cpu/linear_cpu.h"
 
 namespace specrt {
 namespace {
 
 using linear::WeightKind;
-
-std::string shape_of(const at::Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
 
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be on the CPU (specrt's linear kernel is CPU-only), got ",
@@ -28,7 +23,7 @@ void check_x(const at::Tensor& x) {
   check_cpu(x, "x");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
                    "x must be float32 or bfloat16, got ", c10::toString(x.scalar_type()));
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", shape_of(x));
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", shape_str(x));
   TORCH_CHECK_VALUE(x.stride(1) == 1 || x.size(1) <= 1, "x must have unit stride in its last dim");
 }
 
@@ -38,7 +33,7 @@ void check_exact(const at::Tensor& t, const char* name, at::ScalarType dtype, st
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must have dtype ", c10::toString(dtype), ", got ",
                    c10::toString(t.scalar_type()));
   TORCH_CHECK_VALUE(t.sizes().vec() == std::vector<int64_t>(shape), name, " must have shape ", what, ", got ",
-                    shape_of(t));
+                    shape_str(t));
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
@@ -48,7 +43,7 @@ at::Tensor bias_f32(const std::optional<at::Tensor>& bias, int64_t N) {
   TORCH_CHECK_TYPE(bias->is_floating_point(), "bias must be a floating-point tensor, got ",
                    c10::toString(bias->scalar_type()));
   TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [N=", N, "], got ",
-                    shape_of(*bias));
+                    shape_str(*bias));
   return bias->to(at::kFloat).contiguous();
 }
 
@@ -58,7 +53,7 @@ at::Tensor linear_op(const at::Tensor& x, const at::Tensor& weight, const std::o
   TORCH_CHECK_TYPE(weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kBFloat16,
                    "weight must be float32 or bfloat16, got ", c10::toString(weight.scalar_type()));
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), "weight must have shape [N, K=", x.size(1),
-                    "] (K from x ", shape_of(x), "), got ", shape_of(weight));
+                    "] (K from x ", shape_str(x), "), got ", shape_str(weight));
   TORCH_CHECK_VALUE(weight.is_contiguous(), "weight must be contiguous");
   const WeightKind kind = weight.scalar_type() == at::kFloat ? WeightKind::kF32 : WeightKind::kBF16;
   return small_linear_cpu(x, weight, at::Tensor(), at::Tensor(), bias_f32(bias, weight.size(0)), kind);
@@ -79,7 +74,7 @@ at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const
   const WeightKind kind = parse_kind(kind_name);
   check_x(x);
   check_cpu(qweight, "qweight");
-  TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, got shape ", shape_of(qweight));
+  TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, got shape ", shape_str(qweight));
   const int64_t N = qweight.size(0), K = x.size(1), G = K / linear::kGroup;
   const bool grouped = kind != WeightKind::kInt8;
   TORCH_CHECK_VALUE(!grouped || K % linear::kGroup == 0, "x has K=", K, " input features: ", kind_name,

@@ -88,7 +88,7 @@ using SampleTokensKernel = void (*)(const at::Tensor&, const at::Tensor&, const 
 using CopyBlocksKernel = void (*)(const std::vector<at::Tensor>&, const at::Tensor&);
 using WriteKvKernel = void (*)(at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
-// Schemas and argument meaning: csrc/bindings.cpp and specrt/ops.py.
+// Schemas and argument meaning: csrc/bindings.cpp and specrt/ops/.
 at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                                 const at::Tensor& top_p, const std::optional<at::Tensor>& min_p, bool check_values,
                                 ProbsFromLogitsKernel kernel);

@@ -3,7 +3,7 @@
 //
 // Every check names the argument. Shapes, dtypes, devices and contiguity are
 // always checked; values (request indices, offsets, the CSR table, token ids,
-// penalties) when check_values is set: specrt/ops.py sets it for CPU tensors
+// penalties) when check_values is set: specrt/ops/ sets it for CPU tensors
 // and, in debug mode, for CUDA tensors (each read is a device->host sync).
 #include <torch/library.h>
 
@@ -104,21 +104,6 @@ PenaltiesArgs check_apply_penalties(const at::Tensor& logits, const at::Tensor& 
   return a;
 }
 
-namespace {
-
-void apply_penalties_cpu_op(const at::Tensor& logits, const at::Tensor& row_request, const at::Tensor& row_offset,
-                            const at::Tensor& draft_token_ids, const at::Tensor& entry_start,
-                            const at::Tensor& entry_token, const at::Tensor& entry_count,
-                            const at::Tensor& entry_in_prompt, const at::Tensor& entry_bias,
-                            const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
-                            const at::Tensor& presence_penalty, bool check) {
-  const PenaltiesArgs a = check_apply_penalties(logits, row_request, row_offset, draft_token_ids, entry_start,
-                                                entry_token, entry_count, entry_in_prompt, entry_bias,
-                                                repetition_penalty, frequency_penalty, presence_penalty, check);
-  if (logits.size(0) > 0) apply_penalties_cpu(a);
-}
-
-}  // namespace
 }  // namespace specrt
 
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
@@ -128,4 +113,6 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
         "bool check_values=True) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(specrt, CPU, m) { m.impl("apply_penalties", &specrt::apply_penalties_cpu_op); }
+TORCH_LIBRARY_IMPL(specrt, CPU, m) {
+  m.impl("apply_penalties", &specrt::apply_penalties_op<specrt::apply_penalties_cpu>);
+}

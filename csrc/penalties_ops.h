@@ -52,4 +52,19 @@ void apply_penalties_cpu(const PenaltiesArgs& args);
 void apply_penalties_cuda(const PenaltiesArgs& args);
 #endif
 
+// The op body of one backend (registered for CPU and CUDA): the checks, then the kernel.
+template <void (*Kernel)(const PenaltiesArgs&)>
+void apply_penalties_op(const at::Tensor& logits, const at::Tensor& row_request, const at::Tensor& row_offset,
+                        const at::Tensor& draft_token_ids, const at::Tensor& entry_start,
+                        const at::Tensor& entry_token, const at::Tensor& entry_count,
+                        const at::Tensor& entry_in_prompt, const at::Tensor& entry_bias,
+                        const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
+                        const at::Tensor& presence_penalty, bool check_values) {
+  const PenaltiesArgs a = check_apply_penalties(logits, row_request, row_offset, draft_token_ids, entry_start,
+                                                entry_token, entry_count, entry_in_prompt, entry_bias,
+                                                repetition_penalty, frequency_penalty, presence_penalty,
+                                                check_values);
+  if (a.logits.size(0) > 0) Kernel(a);
+}
+
 }  // namespace specrt

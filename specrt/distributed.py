@@ -45,7 +45,6 @@ import threading
 import time
 import traceback
 import zlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

@@ -23,21 +23,23 @@ from typing import Callable, Sequence
 import torch
 
 from specrt.config import SamplingParams, SpecConfig
-from specrt.drafters import Drafter, DraftProposal, DraftSettings, make_drafter, module_bytes, no_drafts
+from specrt.accounting import record_costs, record_samples
+from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_size, make_drafter, no_drafts
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
-from specrt.loading import (ModelLoader, check_quantize, default_loader, quantized_loader, resolve_engine_dtype,
-                            resolve_model_path)
+from specrt.loading import ModelLoader, load_target
 from specrt.attention import KVWindow
+from specrt.calibration import calibrate
+from specrt.commit import CommitContext, commit_step
 from specrt.health import HealthRanges
-from specrt.metrics import EngineMetrics, StepSample
+from specrt.metrics import EngineMetrics
 from specrt.intake import RequestIntake
 from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
+from specrt.overlap import Overlap, overlap_status
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.verify import VerifyResult, accept, build_verify_batch, commit_logprobs, to_host
+from specrt.verify import accept, build_verify_batch, to_host
 
 logger = logging.getLogger(__name__)
-DRAFT_SIZE_LIMIT = 1 / 3     # draft weight bytes / target's above which the engine warns (the design's ~1/3)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
 
 
@@ -61,16 +63,9 @@ class LLMEngine:
                  agree_ks: Callable[[list[int]], list[int]] | None = None, health: HealthRanges | None = None):
         self.spec = spec or SpecConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        load = model_loader or default_loader
-        target_path = resolve_model_path(target, "target")
-        dtype = resolve_engine_dtype(dtype, self.device, target_path)
-        # weight-only quantized models stay quantized (specrt.models.quant); draft_dtype: the draft's activations
-        draft_load = quantized_loader(load, check_quantize(draft_quantize, "draft_quantize"), draft_dtype)
-        if draft_load is not load and (not isinstance(draft, (str, Path)) or str(draft).startswith(("ngram", "self:"))
-                                       or str(draft) == "none"):
-            raise ValueError(f"draft_quantize / draft_dtype apply to a draft model, got draft={draft!r}")
-        self.target = quantized_loader(load, check_quantize(target_quantize, "target_quantize"))(
-            target_path, "target", dtype, self.device)
+        loaded = load_target(target, draft, self.device, dtype, model_loader, target_quantize, draft_quantize,
+                             draft_dtype)
+        self.target, target_path, dtype = loaded.model, loaded.path, loaded.dtype
         self.tokenizer = load_tokenizer(target_path)
         self.generation_config = load_generation_config(target_path)
         self.vocab_size = self.target.config.vocab_size
@@ -78,7 +73,7 @@ class LLMEngine:
         window = KVWindow(self.spec.draft_kv_sinks, self.spec.draft_kv_window) if self.spec.draft_kv_window else None
         settings = DraftSettings(self.vocab_size, self.eos_token_ids, self.spec.acceptance == "coupled", self.device,
                                  kv_window=window)
-        self.drafter = make_drafter(draft, target_path, self.target, settings, draft_load, dtype,
+        self.drafter = make_drafter(draft, target_path, self.target, settings, loaded.draft_loader, dtype,
                                     accept_head=self.spec.policy == "head")
         if self.drafter is not None and wrap_drafter is not None:
             self.drafter = wrap_drafter(self.drafter)
@@ -90,50 +85,17 @@ class LLMEngine:
         self.policy = make_policy(self.spec)
         self.resize_kv_cache(kv_cache_blocks(list(configs.values()), self.spec, dtype, self.device, self.max_model_len))
         self.costs = CostModel()
-        info = {"overlap": self._overlap_status(), "draft_size": self._draft_size_guard(),
+        overlap = overlap_status(self.spec.overlap, self.drafter, self.device)
+        self._overlap = Overlap(self.drafter, self.policy, self.device, self._k_cap) if overlap.active else None
+        info = {"overlap": overlap.as_dict(), "draft_size": check_draft_size(self.drafter, self.target),
                 "kv_cache_tokens": self.kv_cache_tokens}
         self.metrics = EngineMetrics(health=health, labels={"model": target_path.name, "draft": self.draft_kind},
                                      info=info)
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self._finished_pending: list[Request] = []
         self._health_checked = time.monotonic()
-
-    def _overlap_status(self) -> dict:
-        """Whether overlap (pre-drafting) runs, and why not when it was asked for and cannot (logged once)."""
-        status = {"requested": self.spec.overlap, "active": False, "note": ""}
-        if not self.spec.overlap:
-            return status
-        if self.drafter is None:
-            status["note"] = "no drafter: nothing to pre-draft"
-        elif not getattr(self.drafter, "supports_pre_draft", False):
-            status["note"] = (f"the {self.draft_kind} drafter has no model to run ahead (its proposals cost "
-                              f"microseconds): overlap does nothing")
-        else:
-            status["active"] = True
-            if self.device.type != "cuda":
-                status["note"] = "on a CPU nothing runs concurrently: pre-drafting only moves draft work earlier"
-            elif getattr(self.drafter, "reads_target_kv", False):
-                status["note"] = ("self:N pre-drafts read the target's KV: on CUDA they run after the "
-                                  "verification (the guess is ready with it; only the rest overlaps the host)")
-        if not status["active"]:
-            logger.warning("overlap=True has no effect: %s", status["note"])
-        return status
-
-    def _draft_size_guard(self) -> dict | None:
-        """Warn when a draft forward reads over ~1/3 of the target's weight bytes (the design's
-        limit: beyond it drafting rarely pays). Returns the sizes (for stats)."""
-        draft = self.drafter.size_bytes() if self.drafter is not None else None
-        if draft is None:
-            return None
-        target = module_bytes(self.target)
-        ratio = draft / max(target, 1)
-        if ratio > DRAFT_SIZE_LIMIT:
-            logger.warning("the draft (%s, %.1f MB of weights) is %.0f%% of the target's %.1f MB: over ~1/3 a "
-                           "draft rarely pays for itself (use a smaller or quantized draft, or fewer self:N layers)",
-                           self.draft_kind, draft / 1e6, 100 * ratio, target / 1e6)
-        return {"draft_bytes": draft, "target_bytes": target, "ratio": ratio, "over_limit": ratio > DRAFT_SIZE_LIMIT}
 
     @property
     def speculative(self) -> bool:
@@ -160,6 +122,8 @@ class LLMEngine:
                                    predict=self.policy.predicted_acceptance)
         if self.drafter is not None:
             self.drafter.bind(self.kv)
+        self._commit_ctx = CommitContext(self.kv, self.drafter, self.eos_token_ids, self.max_model_len,
+                                         self.tokenizer.decode, self.device)
         if getattr(self, "metrics", None) is not None:
             self.metrics.info["kv_cache_tokens"] = self.kv_cache_tokens
 
@@ -174,14 +138,14 @@ class LLMEngine:
         """Validate every request, then queue them all; ValueError (naming the request) and
         nothing queued if any is bad."""
         reqs = self.intake.check(prompts, params, tags, request_ids, in_use=self.scheduler.requests)
-        with self._lock:
+        with self.lock:
             self.intake.assign(reqs)
             for r in reqs:
                 self.scheduler.add(r)
         return [r.request_id for r in reqs]
 
     def abort_request(self, request_id: str) -> None:
-        with self._lock:
+        with self.lock:
             req = self.scheduler.requests.get(request_id)
             if req is not None and not req.finished:
                 self._finish(req, "abort")
@@ -198,58 +162,20 @@ class LLMEngine:
 
     def calibrate(self, batch_sizes: Sequence[int] = (1, 4), rounds: int = 4, run: int = 4,
                   prompts: Sequence | None = None) -> None:
-        """Seed the cost model (what the budget policy plans with, and the autoregressive step time
-        the speedup estimate divides by) with measured steps of both kinds, so that serving starts
-        with the costs known: for each batch size, throwaway requests decode ``rounds`` x (``run``
-        plain steps, then ``run`` steps drafting max_draft_length tokens). ``prompts`` (text or
-        token ids: typical requests) are what they decode (cut to fit; synthetic ones without).
-        Needs an idle engine; metrics and outputs are left as they were."""
-        if not self.speculative or self.spec.max_draft_length == 0:
-            return
-        with self._lock:
-            if self.has_unfinished():
-                raise RuntimeError("calibrate() needs an idle engine (requests are queued or running)")
-            saved, self.metrics = self.metrics, self.metrics.fresh()
-            K, steps = self.spec.max_draft_length, 2 * rounds * run
-            gen = max(1, min(steps * (K + 1) + 1, self.max_model_len // 2))
-            pool = self._calibration_prompts(prompts, self.max_model_len - gen - 1)
-            try:
-                for B in batch_sizes:
-                    B = max(1, min(int(B), self.spec.max_batch_size))
-                    # an explicit seed: calibration draws nothing from the engine's seed stream
-                    params = SamplingParams(temperature=0.0, ignore_eos=True, seed=0, max_tokens=gen)
-                    ids = [self.add_request(pool[b % len(pool)], params, tag="calibration") for b in range(B)]
-                    for i in range(steps + 1):           # + the prefill step
-                        self._step(forced_k=0 if i == 0 or ((i - 1) // run) % 2 == 0 else K)
-                    for rid in ids:
-                        self.abort_request(rid)
-                    self._drain_finished()
-            finally:
-                self.metrics = saved
-
-    def _calibration_prompts(self, prompts: Sequence | None, longest: int) -> list[list[int]]:
-        """Token-id prompts of at most ``longest`` tokens (their last ones): the given ones, or
-        synthetic prompts of up to 32 tokens."""
-        if prompts:
-            out = []
-            for p in prompts:
-                ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
-                if ids:
-                    out.append(ids[-max(longest, 1):])
-            if out:
-                return out
-        V, plen = self.vocab_size, max(1, min(32, self.max_model_len // 4, longest))
-        return [[3 + (b * 131 + j * 17) % max(V - 3, 1) for j in range(plen)] for b in range(64)]
+        """Seed the cost model with measured plain and drafting steps (specrt.calibration)."""
+        calibrate(self, batch_sizes, rounds, run, prompts)
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
-        """Run one speculative step over the running batch; returns the requests that changed."""
-        with self._lock:
-            return self._step(forced_k=None)
+    def step(self, forced_k: int | None = None) -> list[RequestOutput]:
+        """Run one speculative step over the running batch; returns the requests that changed.
+        ``forced_k`` (calibration): every request drafts that many, and the step is no
+        acceptance evidence."""
+        with self.lock:
+            return self._step(forced_k)
 
     def _step(self, forced_k: int | None) -> list[RequestOutput]:
         """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""
-        self._t_step0 = time.perf_counter()
+        t0 = time.perf_counter()
         if self.drafter is not None:
             self.drafter.fence()                         # a pre-draft still running (CUDA) before KV writes
         for r in self.scheduler.admit():                 # refused for good: the cache can never hold them
@@ -258,7 +184,7 @@ class LLMEngine:
         if not batch:
             return self._drain_finished()
         try:
-            outs = self._run(batch, forced_k)
+            outs = self._run(batch, forced_k, t0)
         except Exception:   # noqa: BLE001 - whatever it was, only the requests it belongs to may fail
             logger.warning("a step over %d requests raised; retrying them one by one", len(batch), exc_info=True)
             outs = self._isolate(batch, forced_k)
@@ -268,9 +194,10 @@ class LLMEngine:
             self.metrics.check_health()
         return outs + self._drain_finished(exclude={o.request_id for o in outs})
 
-    def _run(self, batch: list[Request], forced_k: int | None) -> list[RequestOutput]:
-        """One speculative step over ``batch``. If it raises before the commit, every request is
-        as before it (so the step can be retried without the culprit)."""
+    def _run(self, batch: list[Request], forced_k: int | None, t0: float) -> list[RequestOutput]:
+        """One speculative step over ``batch`` (``t0``: when the step began, admission included).
+        If it raises before the commit, every request is as before it (so the step can be
+        retried without the culprit)."""
         t_step = time.perf_counter()
         saved = self.scheduler.save(batch)
         try:
@@ -280,7 +207,7 @@ class LLMEngine:
                 return []
             before = [(len(r.output_token_ids), len(r.text)) for r in batch]
             proposal = self._propose(batch, ks, limits)
-            next_ks, stops = self._plan_pre_draft(batch, ks, proposal)   # overlap: slots before the verify
+            pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap else None  # slots before the verify
             t_verify = time.perf_counter()
             vb = build_verify_batch(batch, proposal, self.kv, self.device)
             if self.drafter is not None:
@@ -289,43 +216,26 @@ class LLMEngine:
                                     logits_indices=vb.logits_indices)                           # [R, V]
             verified = accept(vb, logits, self.spec.acceptance if self.speculative else None,
                               self.eos_token_ids)                                               # [B, K+1], [B]
-            pre, pre_s = self._pre_draft(batch, ks, proposal, next_ks, stops)   # overlap: on the draft stream
+            pre, pre_s = self._overlap.run(batch, ks, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
             result = to_host(vb, verified, pre)                 # the step's one device->host sync
         except Exception:
             self.scheduler.restore(saved)
             raise
-        samples = self._commit(batch, proposal, result, verify_s=time.perf_counter() - t_verify - pre_s)
+        samples, ended = commit_step(self._commit_ctx, self.metrics, batch, proposal, result,
+                                     verify_s=time.perf_counter() - t_verify - pre_s)
+        for e in ended:
+            self._finish(e.request, e.reason, e.error)
         if forced_k is None:                             # calibration requests are synthetic: no evidence
             for r, n, a in zip(batch, proposal.num_draft_tokens, result.num_accepted):
                 self.policy.observe(r, n, a)
         step_s = time.perf_counter() - t_step
-        total_s = time.perf_counter() - self._t_step0    # the whole step, admission included
-        self._record_costs(vb, proposal, step_s - pre_s, total_s)
+        total_s = time.perf_counter() - t0               # the whole step, admission included
+        record_costs(self.costs, vb, proposal, step_s - pre_s, total_s)
         emitted = sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch))
         if self.speculative and forced_k is None:
             self.policy.step_done(emitted, step_s)
-        self._record_samples(samples, vb, proposal, total_s)
+        record_samples(self.costs, self.metrics, samples, vb, proposal, total_s, self.speculative)
         return [r.output(*before[i]) for i, r in enumerate(batch)]
-
-    def _record_samples(self, samples: list, vb, proposal: DraftProposal, step_s: float) -> None:
-        """Per request: its share of the step's time and, once plain steps were measured, what its
-        emitted tokens would have cost autoregressively (the speedup estimate's numerator): each
-        further token a plain decode step's share by the fit; the first token of each request one
-        plain step over this batch by the fit, or, in a step that prefills, this step's measured
-        time besides drafting (the target's prefill is what autoregressive decoding pays too)."""
-        n = len(vb.num_draft_tokens)
-        t_next = self.costs.ar_step_time(n, vb.num_context_tokens, n) if self.speculative else None
-        if t_next is not None:
-            self.metrics.info["autoregressive_step_fit"] = self.costs.plain_fit_info()
-            ar_tokens = vb.num_query_tokens - sum(proposal.num_draft_tokens)   # what a plain step feeds
-            t_first = (max(step_s - proposal.cost.seconds, 1e-9) if ar_tokens > n
-                       else self.costs.ar_step_time(ar_tokens, vb.num_context_tokens, n))
-        for r, sample in samples:
-            sample.step_s = step_s / n
-            if t_next is not None:
-                sample.ar_est_s = (t_first + (sample.emitted - 1) * t_next) / n
-            r.stats.add(sample)
-            self.metrics.add(r.tag, sample)
 
     def _isolate(self, batch: list[Request], forced_k: int | None) -> list[RequestOutput]:
         """The step over ``batch`` raised: run it request by request; a request whose step still
@@ -335,7 +245,7 @@ class LLMEngine:
             if r.status != RequestStatus.RUNNING:
                 continue
             try:
-                outs += self._run([r], forced_k)
+                outs += self._run([r], forced_k, time.perf_counter())
             except Exception as e:   # noqa: BLE001 - attributable to this request alone
                 logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
                 self._finish(r, "error", f"{type(e).__name__}: {e}")
@@ -377,94 +287,6 @@ class LLMEngine:
             return no_drafts(len(batch), self.device)
         return self.drafter.propose(batch, ks, limits, self.policy.should_stop if self.policy.stops_early else None,
                                     self.policy.pre_draft_length)
-
-    def _plan_pre_draft(self, batch: list[Request], ks: list[int], proposal: DraftProposal):
-        """Overlap: the next step's K per request (0: no pre-draft) as the policy would plan it if
-        every draft of this step is accepted, the stop rules it would apply, and their KV slots
-        (reserved now: copy-on-write copies then precede the verification)."""
-        B = len(batch)
-        if not (self.spec.overlap and self.drafter is not None and self.metrics.info["overlap"]["active"]):
-            return [0] * B, None
-        next_ks, stops = [], []
-        for r, n, k in zip(batch, proposal.num_draft_tokens, ks):
-            nk = self.policy.next_k(r, k, n, self._k_cap(r, n + 1)) if n > 0 else 0
-            next_ks.append(nk)
-            stops.append(self.policy.pre_stop(r, n) if nk else None)
-        if not any(next_ks):
-            return next_ks, None
-        return self.drafter.reserve_pre_draft(batch, proposal, next_ks), stops
-
-    def _pre_draft(self, batch: list[Request], ks: list[int], proposal: DraftProposal, next_ks: list[int],
-                   stops: list | None):
-        """Overlap: while this round verifies, draft the next one for requests that drafted,
-        assuming every draft is accepted. Returns ({row: PreDraft}, the host seconds it added on a
-        CPU, where nothing overlaps)."""
-        if not any(next_ks):
-            return {}, 0.0
-        t0 = time.perf_counter()
-        pre = self.drafter.pre_draft(batch, ks, proposal, next_ks, stops)
-        return pre, (time.perf_counter() - t0 if self.device.type == "cpu" else 0.0)
-
-    def _record_costs(self, vb, proposal: DraftProposal, step_s: float, total_s: float) -> None:
-        """Feed the cost model: the drafting, and everything else the step cost (planning, the
-        verify forward, sampling, bookkeeping) as the verify sample, marked by whether anything
-        was drafted (a multi-token verify can cost a jump over a plain decode step); a steady
-        plain step's whole time (``total_s``, admission included) is an autoregressive step sample."""
-        cost = proposal.cost
-        draft_s = cost.measured_seconds() if cost.forwards else cost.seconds
-        if cost.forwards:
-            self.costs.add_draft(cost.forwards, cost.tokens_fed, cost.attended, draft_s)
-        self.costs.add_verify(vb.num_query_tokens, vb.num_context_tokens, max(step_s - draft_s, 1e-9),
-                              drafted=sum(proposal.num_draft_tokens) > 0, requests=len(vb.num_draft_tokens),
-                              step_seconds=total_s)
-
-    # -- commit
-    def _commit(self, batch, proposal: DraftProposal, result: VerifyResult, verify_s: float) -> list:
-        """Keep what was accepted (KV rollback of the rest), emit, stop checks. A request whose
-        bookkeeping raises (e.g. its text cannot be decoded) fails alone. Returns [(request,
-        StepSample)] for the statistics (recorded once the step's time is known)."""
-        for _ in range(proposal.pre_drafts_used):
-            self.metrics.record_overlap(used=True)
-        share = (max(sum(proposal.num_draft_tokens), 1), verify_s / len(batch))
-        samples = []
-        for b, r in enumerate(batch):
-            try:
-                samples.append((r, self._commit_one(r, b, proposal, result, *share)))
-            except Exception as e:   # noqa: BLE001
-                logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
-                self._finish(r, "error", f"{type(e).__name__}: {e}")
-        return samples
-
-    def _commit_one(self, r: Request, b: int, proposal: DraftProposal, result: VerifyResult, drafted_total: int,
-                    verify_share: float) -> StepSample:
-        n, a = proposal.num_draft_tokens[b], result.num_accepted[b]
-        emitted = result.output_token_ids[b][:a + 1]
-        L = r.context_len
-        r.target_cached = L + a
-        pre = result.pre_drafts.get(b)
-        kept = pre is not None and a == n and emitted[-1] == result.pre_draft_guess[b]
-        held = self.drafter.on_commit(r, b, proposal, pre, kept) if self.drafter is not None else None
-        if held is not None:
-            r.draft_cached = held
-        surplus = self.kv.num_tokens(r.request_id) - max(r.target_cached, 0 if held is None else held)
-        if surplus > 0:
-            self.kv.rollback(r.request_id, surplus)
-        if pre is not None:
-            self.metrics.record_overlap(used=False)
-        hidden_s = pre.seconds if kept and self.device.type == "cuda" else 0.0
-        share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
-        sample = StepSample(n, a, len(emitted), share, verify_share, hidden_s, context_len=L,
-                            temperature=r.params.temperature)
-        reason = r.append_tokens(emitted, self.eos_token_ids, self.max_model_len, self.tokenizer.decode,
-                                 commit_logprobs(r, b, result))
-        sample.emitted = len(r.output_token_ids) - (L - len(r.prompt_token_ids))
-        if reason is not None:
-            self._finish(r, reason)
-        else:
-            # a lagging draft KV does not hold back the target's prefix sharing: its blocks
-            # are registered target-only, and a later request's draft recomputes them
-            self.kv.commit(r.request_id, r.token_ids[:r.target_cached], all_caches_upto=held)
-        return sample
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(r, reason, error)

@@ -64,6 +64,19 @@ class RequestIntake:
             r.seed = r.params.seed if r.params.seed is not None else self._rng.getrandbits(63)
             r.request_id = r.request_id if r.request_id is not None else f"req-{next(self._ids)}"
 
+    def calibration_prompts(self, prompts, longest: int) -> list[list[int]]:
+        """Token-id prompts of at most ``longest`` tokens (their last ones) for the engine's
+        calibration: the given ones (text or ids), or synthetic prompts of up to 32 tokens."""
+        out = []
+        for p in prompts or ():
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            if ids:
+                out.append(ids[-max(longest, 1):])
+        if out:
+            return out
+        V, plen = self.model_config.vocab_size, max(1, min(32, self.max_model_len // 4, longest))
+        return [[3 + (b * 131 + j * 17) % max(V - 3, 1) for j in range(plen)] for b in range(64)]
+
     def _check_one(self, prompt, params, request_id, tag: str, in_use) -> Request:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")

@@ -7,6 +7,7 @@ plug in without subclassing.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -67,3 +68,27 @@ def resolve_engine_dtype(dtype, device: torch.device, target_path: Path) -> torc
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return resolve_dtype(dtype, load_config(target_path))
+
+
+@dataclass
+class LoadedTarget:
+    """The engine's target, loaded, and how its draft model (if any) is to be loaded."""
+    path: Path
+    model: object                       # LlamaForCausalLM (or a tensor-parallel shard)
+    dtype: torch.dtype                  # the engine's activation dtype
+    draft_loader: ModelLoader           # the loader with draft_quantize / draft_dtype applied
+
+
+def load_target(target, draft, device: torch.device, dtype, loader: ModelLoader | None, target_quantize=None,
+                draft_quantize=None, draft_dtype=None) -> LoadedTarget:
+    """Resolve and load the target (weight-only quantized if asked; quantized layers stay
+    quantized); ValueError when draft_quantize / draft_dtype are given without a draft model."""
+    load = loader or default_loader
+    path = resolve_model_path(target, "target")
+    dtype = resolve_engine_dtype(dtype, device, path)
+    draft_load = quantized_loader(load, check_quantize(draft_quantize, "draft_quantize"), draft_dtype)
+    if draft_load is not load and (not isinstance(draft, (str, Path)) or str(draft).startswith(("ngram", "self:"))
+                                   or str(draft) == "none"):
+        raise ValueError(f"draft_quantize / draft_dtype apply to a draft model, got draft={draft!r}")
+    model = quantized_loader(load, check_quantize(target_quantize, "target_quantize"))(path, "target", dtype, device)
+    return LoadedTarget(path, model, dtype, draft_load)

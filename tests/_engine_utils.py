@@ -54,3 +54,42 @@ def make_pair(root: Path, layers: int = 3, draft_layers: int = 1, seed: int = 0,
     for d in (tdir, ddir):
         _tokenizer(d)
     return tdir, ddir
+
+
+def pair_for_tests(tmp_path_factory, accept_head: bool = False) -> tuple[Path, Path]:
+    """A module's pair in a fresh temp folder, torch pinned to one thread. With ``accept_head``
+    an untrained acceptance head lies beside the draft for policy="head" (untrained is fine:
+    the policy must be output-neutral whatever the head says)."""
+    torch.set_num_threads(1)
+    tdir, ddir = make_pair(tmp_path_factory.mktemp("pair"))
+    if accept_head:
+        from specrt.models.accept_head import AcceptanceHead
+
+        torch.manual_seed(0)
+        AcceptanceHead(hidden_size=64, width=16).save(str(ddir / "accept_head"))
+    return tdir, ddir
+
+
+class LLMCache:
+    """``llm(pair, draft, **spec)``: one specrt.LLM per (draft, spec) over a pair, built once.
+    draft "model" is the pair's draft, "target" the target itself, "none" no draft; any other
+    value ("ngram", "self:1", a folder) goes to the LLM as is."""
+
+    def __init__(self) -> None:
+        self._llms: dict = {}
+
+    def __call__(self, pair, draft, **spec):
+        import specrt
+        from specrt import SpecConfig
+
+        key = (draft, tuple(sorted(spec.items())))
+        if key not in self._llms:
+            tdir, ddir = pair
+            d = {"model": str(ddir), "none": None, "target": str(tdir)}.get(draft, draft)
+            self._llms[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
+        return self._llms[key]
+
+
+def tokens(outs) -> list[list[int]]:
+    """The token ids of each output."""
+    return [o.token_ids for o in outs]

@@ -1,4 +1,5 @@
-"""Helpers shared by the server tests: a live uvicorn server on a free loopback port, SSE parsing."""
+"""Helpers shared by the server tests: a live uvicorn server on a free loopback port (of the tiny pair),
+SSE parsing, streamed token ids."""
 from __future__ import annotations
 
 import json
@@ -52,6 +53,42 @@ class LiveServer:
             time.sleep(0.02)
         assert self.state.runner.sync(timeout)
         assert not eng.has_unfinished() and self.state.runner.num_in_flight == 0
+
+
+def serve_pair(pair, max_draft_length: int, max_batch_size: int = 8, spec: dict | None = None,
+               **app_kw) -> LiveServer:
+    """A live server of the tiny pair (draft: the pair's draft, model name "tiny", on the CPU).
+
+    ``spec`` holds further SpecConfig fields; ``app_kw`` goes to create_app (warmup, max_body_bytes...)."""
+    from specrt.config import SpecConfig
+    from specrt.server import create_app
+
+    tdir, ddir = pair
+    cfg = SpecConfig(max_draft_length=max_draft_length, max_batch_size=max_batch_size, **(spec or {}))
+    return LiveServer(create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny", spec=cfg,
+                                 **app_kw))
+
+
+async def stream_token_ids(client, body: dict, drop_after: int | None = None, label: str = "request"):
+    """POST a streaming /v1/completions. Returns the token ids of its chunks up to [DONE]; None when
+    the connection was dropped after ``drop_after`` chunks; (status, error) when it was refused."""
+    ids, chunks = [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(await r.aread())["error"]
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                return ids
+            event = json.loads(data)
+            assert "error" not in event, event
+            ids += event["choices"][0]["token_ids"]
+            chunks += 1
+            if drop_after is not None and chunks >= drop_after:
+                return None              # leaving the block closes the connection mid-stream
+    raise AssertionError(f"{label}: the stream ended without [DONE]")
 
 
 def sse(lines) -> list[dict]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import EOS, VOCAB, make_pair  # noqa: E402
+from _engine_utils import EOS, LLMCache, pair_for_tests, tokens  # noqa: E402
 from _stats import P_FAIL, P_PASS  # noqa: E402
 
 import specrt  # noqa: E402
@@ -47,24 +47,10 @@ CONTROLS = {
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_pair(tmp_path_factory.mktemp("pair"))
+    return pair_for_tests(tmp_path_factory)
 
 
-_llms: dict = {}
-
-
-def llm(pair, draft, **spec):
-    key = (draft, tuple(sorted(spec.items())))
-    if key not in _llms:
-        tdir, ddir = pair
-        d = {"model": str(ddir), "none": None}.get(draft, draft)
-        _llms[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
-    return _llms[key]
-
-
-def tokens(outs):
-    return [o.token_ids for o in outs]
+llm = LLMCache()
 
 
 def _params(control: str, n: int, **kw) -> list[SamplingParams]:
@@ -183,10 +169,8 @@ def test_rejection_sampling_with_controls_is_distributed_as_autoregressive(pair,
             assert p > P_PASS, f"control {c}, draft={draft}, K={k}, {what}: p={p:.2e}"
 
 
-def test_the_distribution_test_has_power(pair, ar_samples, monkeypatch):
-    """A broken engine whose verified rows ignore the drafts before them (every row sees only the
-    committed history) must fail the test above for the penalties; that is the bug the per-position
-    history prevents."""
+def _forget_drafts_in_verify(monkeypatch) -> None:
+    """Break the engine: every verified row sees only the committed history, not the drafts before it."""
     import specrt.engine as engine_module
     from specrt import verify
 
@@ -199,6 +183,13 @@ def test_the_distribution_test_has_power(pair, ar_samples, monkeypatch):
 
     monkeypatch.setattr(verify, "build_verify_batch", forgetful)
     monkeypatch.setattr(engine_module, "build_verify_batch", forgetful)
+
+
+def test_the_distribution_test_has_power(pair, ar_samples, monkeypatch):
+    """A broken engine whose verified rows ignore the drafts before them (every row sees only the
+    committed history) must fail the test above for the penalties; that is the bug the per-position
+    history prevents."""
+    _forget_drafts_in_verify(monkeypatch)
     tdir, ddir = pair
     eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_batch_size=256, max_draft_length=4),
                      seed=0)
@@ -284,17 +275,7 @@ def test_a_banned_sequence_is_cut_where_greedy_would_complete_it(pair, draft):
 
 def test_the_banned_sequence_test_has_power(pair, monkeypatch):
     """A verify whose rows ignore the drafts before them completes the word inside a step."""
-    import specrt.engine as engine_module
-    from specrt import verify
-
-    build = verify.build_verify_batch
-
-    def forgetful(*args, **kwargs):
-        vb = build(*args, **kwargs)
-        vb.row_offset = [0] * len(vb.row_offset)
-        return vb
-
-    monkeypatch.setattr(engine_module, "build_verify_batch", forgetful)
+    _forget_drafts_in_verify(monkeypatch)
     tdir, _ = pair
     eng = specrt.LLM(target=str(tdir), draft=str(tdir), spec=SpecConfig(max_draft_length=4), seed=0)
     _, ar, spec, word = _banned_bigram_case(pair, eng)

@@ -17,10 +17,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import EOS, make_pair  # noqa: E402
+from _engine_utils import EOS, LLMCache, pair_for_tests  # noqa: E402
 
-import specrt  # noqa: E402
-from specrt import SamplingParams, SpecConfig, reference  # noqa: E402
+from specrt import SamplingParams, reference  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [30, 31]]
 TOL = 1e-5
@@ -28,8 +27,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    return make_pair(tmp_path_factory.mktemp("pair"))
+    return pair_for_tests(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +38,7 @@ def hf(pair):
     return LlamaForCausalLM.from_pretrained(str(pair[0]), dtype=torch.float32).eval()
 
 
-_llms: dict = {}
-
-
-def llm(pair, draft, **spec):
-    key = (draft, tuple(sorted(spec.items())))
-    if key not in _llms:
-        tdir, ddir = pair
-        d = {"model": str(ddir), "none": None}.get(draft, draft)
-        _llms[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
-    return _llms[key]
+llm = LLMCache()
 
 
 def _controlled(x: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:

@@ -17,11 +17,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
-from _server_utils import LiveServer, sse  # noqa: E402
+from _server_utils import serve_pair, sse  # noqa: E402
 
 from specrt import LLM  # noqa: E402
 from specrt.config import SamplingParams, SpecConfig  # noqa: E402
-from specrt.server import create_app  # noqa: E402
 
 K = 3
 PROMPT = "w5 w6 w7 w8 w5 w6"
@@ -36,10 +35,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(pair):
-    tdir, ddir = pair
-    app = create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny", warmup=False,
-                     spec=SpecConfig(max_draft_length=K, max_batch_size=8))
-    s = LiveServer(app)
+    s = serve_pair(pair, K, warmup=False)
     yield s
     s.close()
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import EOS, VOCAB, make_pair  # noqa: E402
+from _engine_utils import EOS, VOCAB, LLMCache, pair_for_tests, tokens  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
@@ -32,31 +32,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [30, 31], [40, 41, 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    tdir, ddir = make_pair(tmp_path_factory.mktemp("pair"))
-    # an acceptance head beside the draft for policy="head" (untrained weights are fine: the
-    # policy must be output-neutral whatever the head says)
-    from specrt.models.accept_head import AcceptanceHead
-
-    torch.manual_seed(0)
-    AcceptanceHead(hidden_size=64, width=16).save(str(ddir / "accept_head"))
-    return tdir, ddir
+    return pair_for_tests(tmp_path_factory, accept_head=True)
 
 
-_llm_cache: dict = {}
-
-
-def llm(pair, draft, **spec):
-    key = (draft, tuple(sorted(spec.items())))
-    if key not in _llm_cache:
-        tdir, ddir = pair
-        d = {"model": str(ddir), "none": None}.get(draft, draft)
-        _llm_cache[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
-    return _llm_cache[key]
-
-
-def tokens(outs):
-    return [o.token_ids for o in outs]
+llm = LLMCache()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

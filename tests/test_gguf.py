@@ -407,13 +407,8 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 
 def test_smollm2_llm_chat_stops_at_end_of_turn():
     import specrt
-    from specrt import engine
 
     _smollm2_path()
-    try:
-        engine.resolve_model_path("smollm2-135m", "target")
-    except ValueError:
-        pytest.skip("specrt.engine.resolve_model_path does not call specrt.models.resolve_model yet")
     llm = specrt.LLM(target="smollm2-135m", spec=specrt.SpecConfig(max_batch_size=2, max_model_len=512))
     text = llm.tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True)
     out = llm.generate([text], specrt.SamplingParams(temperature=0.0, max_tokens=48))[0]

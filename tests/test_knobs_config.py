@@ -10,10 +10,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import make_pair  # noqa: E402
+from _engine_utils import pair_for_tests  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
@@ -112,13 +111,7 @@ def test_head_policy_threshold_adapts():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    tdir, ddir = make_pair(tmp_path_factory.mktemp("pair"))
-    from specrt.models.accept_head import AcceptanceHead
-
-    torch.manual_seed(0)
-    AcceptanceHead(hidden_size=64, width=16).save(str(ddir / "accept_head"))
-    return tdir, ddir
+    return pair_for_tests(tmp_path_factory, accept_head=True)
 
 
 def test_head_policy_k_histograms_differ_with_adaptive(pair):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import make_pair  # noqa: E402
+from _engine_utils import LLMCache, pair_for_tests, tokens  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
@@ -30,29 +30,10 @@ SAMPLED = [SamplingParams(temperature=0.9, top_k=20, max_tokens=20, ignore_eos=T
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    tdir, ddir = make_pair(tmp_path_factory.mktemp("pair"))
-    from specrt.models.accept_head import AcceptanceHead
-
-    torch.manual_seed(0)
-    AcceptanceHead(hidden_size=64, width=16).save(str(ddir / "accept_head"))
-    return tdir, ddir
+    return pair_for_tests(tmp_path_factory, accept_head=True)
 
 
-_cache: dict = {}
-
-
-def llm(pair, draft, **spec):
-    key = (draft, tuple(sorted(spec.items())))
-    if key not in _cache:
-        tdir, ddir = pair
-        d = {"model": str(ddir), "none": None, "target": str(tdir)}.get(draft, draft)
-        _cache[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
-    return _cache[key]
-
-
-def tokens(outs):
-    return [o.token_ids for o in outs]
+llm = LLMCache()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import EOS, VOCAB, make_pair  # noqa: E402
+from _engine_utils import EOS, VOCAB, make_pair, tokens  # noqa: E402
 from _stats import P_FAIL, P_PASS, chisquare_conditional  # noqa: E402
 
 import specrt  # noqa: E402
@@ -63,10 +63,6 @@ def llm(pair, draft, **spec):
         d = {"reduced": str(ddir), "none": None}[draft]
         _cache[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
     return _cache[key]
-
-
-def tokens(outs):
-    return [o.token_ids for o in outs]
 
 
 def test_reduced_draft_loads_as_its_own_drafter(pair):

@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
-from _server_utils import LiveServer, sse as _sse  # noqa: E402
+from _server_utils import LiveServer, serve_pair, sse as _sse, stream_token_ids  # noqa: E402
 
 from specrt.config import SamplingParams, SpecConfig  # noqa: E402
 from specrt import LLM  # noqa: E402
@@ -39,10 +39,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(pair):
-    tdir, ddir = pair
-    app = create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny",
-                     spec=SpecConfig(max_draft_length=K, max_batch_size=MAX_BATCH), max_body_bytes=MAX_BODY)
-    s = LiveServer(app)
+    s = serve_pair(pair, K, MAX_BATCH, max_body_bytes=MAX_BODY)
     yield s
     s.close()
 
@@ -294,21 +291,9 @@ def test_64_concurrent_streams_with_disconnects(srv, reference):
     async def one(client, i, prompt, max_tokens, action, after_chunks):
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                 "specrt": {"return_token_ids": True, "tag": "conc"}}
-        ids, n_chunks = [], 0
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line:
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    return ids
-                ev = json.loads(data)
-                ids += ev["choices"][0]["token_ids"]
-                n_chunks += 1
-                if action == "drop_after" and n_chunks >= after_chunks:
-                    return None       # leaving the block closes the connection mid-stream
-        raise AssertionError(f"request {i}: stream ended without [DONE]")
+        got = await stream_token_ids(client, body, after_chunks if action == "drop_after" else None, f"request {i}")
+        assert not isinstance(got, tuple), f"request {i} was refused: {got}"
+        return got
 
     async def run_all():
         limits = httpx.Limits(max_connections=128, max_keepalive_connections=0)

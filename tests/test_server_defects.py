@@ -22,10 +22,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
-from _server_utils import LiveServer, free_port, sse  # noqa: E402
+from _server_utils import LiveServer, free_port, serve_pair, sse  # noqa: E402
 from _env import CHILD_CWD, child_env  # noqa: E402  (tests/ on sys.path)
 
-from specrt.config import SamplingParams, SpecConfig  # noqa: E402
+from specrt.config import SamplingParams  # noqa: E402
 from specrt.server import create_app  # noqa: E402
 
 BIG_BODY = 8 * 1024 * 1024
@@ -38,10 +38,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(pair):
-    tdir, ddir = pair
-    app = create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny", warmup=False,
-                     spec=SpecConfig(max_draft_length=3, max_batch_size=8), max_body_bytes=BIG_BODY)
-    s = LiveServer(app)
+    s = serve_pair(pair, 3, warmup=False, max_body_bytes=BIG_BODY)
     yield s
     s.close()
 

@@ -22,10 +22,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings, strategies as st  # noqa: E402
 
 from _engine_utils import make_pair  # noqa: E402
-from _server_utils import LiveServer  # noqa: E402
-
-from specrt.config import SpecConfig  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from _server_utils import serve_pair  # noqa: E402
 
 FUZZ = settings(max_examples=160, deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=list(HealthCheck))
@@ -38,11 +35,8 @@ FIELDS = ["model", "prompt", "messages", "temperature", "top_p", "top_k", "max_t
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    tdir, ddir = make_pair(tmp_path_factory.mktemp("fuzz_pair"))
-    app = create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny", warmup=False,
-                     spec=SpecConfig(max_draft_length=3, max_batch_size=8, max_model_len=48),
-                     max_body_bytes=256 * 1024)
-    s = LiveServer(app)
+    s = serve_pair(make_pair(tmp_path_factory.mktemp("fuzz_pair")), 3, spec=dict(max_model_len=48), warmup=False,
+                   max_body_bytes=256 * 1024)
     s.client.timeout = httpx.Timeout(30.0)
     before = _reference_ids(s)
     yield s

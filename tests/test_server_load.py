@@ -7,7 +7,6 @@ server serves afterwards. Seconds, not minutes.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import pytest
@@ -17,10 +16,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
-from _server_utils import LiveServer  # noqa: E402
-
-from specrt.config import SpecConfig  # noqa: E402
-from specrt.server import create_app  # noqa: E402
+from _server_utils import serve_pair, stream_token_ids  # noqa: E402
 
 N_STREAMS = 24
 PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13", "w40", "w90 w3 w3 w9", "w20 w21", "w60 w61 w62 w63 w64 w65"]
@@ -28,11 +24,9 @@ PROMPTS = ["w5 w6 w7", "w10 w11 w12 w13", "w40", "w90 w3 w3 w9", "w20 w21", "w60
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    tdir, ddir = make_pair(tmp_path_factory.mktemp("load_pair"))
     # coupled acceptance: a seeded request's tokens do not depend on its batch neighbours or K
-    app = create_app(target=str(tdir), draft=str(ddir), device="cpu", model_name="tiny", warmup=False,
-                     spec=SpecConfig(max_draft_length=3, max_batch_size=8, acceptance="coupled"))
-    s = LiveServer(app)
+    s = serve_pair(make_pair(tmp_path_factory.mktemp("load_pair")), 3, spec=dict(acceptance="coupled"),
+                   warmup=False)
     yield s
     s.close()
 
@@ -54,23 +48,8 @@ def _plans() -> list[dict]:
 
 async def _one(client: httpx.AsyncClient, plan: dict):
     """Token ids of a completed stream; None when it was dropped; (status, error) when refused."""
-    ids, chunks = [], 0
-    async with client.stream("POST", "/v1/completions", json=plan["body"]) as r:
-        if r.status_code != 200:
-            return r.status_code, json.loads(await r.aread())["error"]
-        async for line in r.aiter_lines():
-            if not line:
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                return ids
-            event = json.loads(data)
-            assert "error" not in event, event
-            ids += event["choices"][0]["token_ids"]
-            chunks += 1
-            if plan["action"] == "drop_mid_stream" and chunks >= plan["after_chunks"]:
-                return None              # leaving the block closes the connection mid-stream
-    raise AssertionError(f"request {plan['i']}: the stream ended without [DONE]")
+    drop_after = plan["after_chunks"] if plan["action"] == "drop_mid_stream" else None
+    return await stream_token_ids(client, plan["body"], drop_after, f"request {plan['i']}")
 
 
 async def _run_all(url: str, plans: list[dict]) -> dict:

@@ -9,17 +9,9 @@ namespace specrt::fused {
 namespace avx2_isa {
 namespace {
 
-struct V {
-  __m256 lo, hi;  // lanes 0-7, 8-15
-};
+#include "cpu/avx2_lanes.h"
 
-inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
-inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V vdiv(V a, V b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
-inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V vmax(V a, V b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
 inline __m256 rint8(__m256 a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -41,12 +33,6 @@ inline __m256 round_bf16_8(__m256 a) {
                           _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
 }
 inline V vround_bf16(V a) { return {round_bf16_8(a.lo), round_bf16_8(a.hi)}; }
-inline float vreduce(V a) {
-  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
 
 // first n (0..8) 32-bit lanes set
 inline __m256i lanes8(int n) {

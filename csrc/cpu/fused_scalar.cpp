@@ -9,33 +9,14 @@ namespace specrt::fused {
 namespace scalar_isa {
 namespace {
 
-struct V {
-  float v[16];
-};
-
-inline float bits_f(uint32_t u) {
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t f_bits(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  return u;
-}
+#include "cpu/scalar_lanes.h"
 
 #define SPECRT_LANES(expr) \
   V r;                     \
   for (int i = 0; i < 16; ++i) r.v[i] = (expr); \
   return r
 
-inline V vzero() { SPECRT_LANES(0.0f); }
-inline V vset1(float s) { SPECRT_LANES(s); }
-inline V vadd(V a, V b) { SPECRT_LANES(a.v[i] + b.v[i]); }
-inline V vsub(V a, V b) { SPECRT_LANES(a.v[i] - b.v[i]); }
-inline V vmul(V a, V b) { SPECRT_LANES(a.v[i] * b.v[i]); }
 inline V vdiv(V a, V b) { SPECRT_LANES(a.v[i] / b.v[i]); }
-inline V vfma(V a, V b, V c) { SPECRT_LANES(std::fma(a.v[i], b.v[i], c.v[i])); }
 inline V vmax(V a, V b) { SPECRT_LANES(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
 inline V vmin(V a, V b) { SPECRT_LANES(a.v[i] < b.v[i] ? a.v[i] : b.v[i]); }
 inline V vrint(V a) { SPECRT_LANES(std::nearbyint(a.v[i])); }
@@ -51,24 +32,6 @@ inline V vround_bf16(V a) {
 }
 #undef SPECRT_LANES
 
-inline float vreduce(V a) {
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = a.v[i] + a.v[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
-  return s2a + s2b;
-}
-
-inline V load_f32_n(const float* p, int n) {
-  V r = vzero();
-  for (int i = 0; i < n; ++i) r.v[i] = p[i];
-  return r;
-}
-inline V load_bf16_n(const uint16_t* p, int n) {
-  V r = vzero();
-  for (int i = 0; i < n; ++i) r.v[i] = bits_f(static_cast<uint32_t>(p[i]) << 16);
-  return r;
-}
 inline void store_f32_n(float* p, V v, int n) {
   for (int i = 0; i < n; ++i) p[i] = v.v[i];
 }

@@ -12,9 +12,8 @@ namespace {
 constexpr int kNR = 2;
 constexpr int kMR = 2;
 
-struct V {
-  __m256 lo, hi;  // lanes 0-7, 8-15
-};
+#include "cpu/avx2_lanes.h"
+
 struct BV {
   V even, odd;
 };
@@ -24,18 +23,6 @@ inline void h2f16(const uint16_t* p, int n, float* out) {
   for (int i = 0; i < n; ++i) buf[i] = p[i];
   _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf))));
   _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf + 8))));
-}
-inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline V vset1(float s) { return {_mm256_set1_ps(s), _mm256_set1_ps(s)}; }
-inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline V vsub(V a, V b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
-inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline float vreduce(V a) {
-  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
 // first n (0..8) 32-bit lanes set

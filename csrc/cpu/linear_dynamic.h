@@ -38,6 +38,19 @@ struct DynProblem {
   bool y_bf16 = false;
 };
 
+// Row m's slices of p's activation buffers (what quantize_activations* write).
+struct ActRow {
+  int8_t* q;      // [pairs * 64]
+  float* dx16;    // [pairs * 16]
+  int32_t* sx8;   // [pairs * 16]
+  float* e;       // [K / 32]
+};
+static inline ActRow act_row(const DynProblem& p, int64_t m) {
+  const int64_t lanes = p.pairs * 16;
+  return {const_cast<int8_t*>(p.xq) + m * p.pairs * 64, const_cast<float*>(p.dx16) + m * lanes,
+          const_cast<int32_t*>(p.sx8) + m * lanes, const_cast<float*>(p.e) + m * (p.K / kGroup)};
+}
+
 // Quantize rows [m0, m1) of x (float [M, K], rows ldx apart) into p's buffers (scalar: exact IEEE ops).
 void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1);
 void quantize_activations_avx512(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1);

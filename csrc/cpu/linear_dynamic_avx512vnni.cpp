@@ -139,13 +139,10 @@ void run(const DynProblem& p, int64_t n0, int64_t n1) {
 
 // The same IEEE operations as quantize_activations (linear_dynamic_scalar.cpp), 16 lanes at a time.
 void quantize_activations_avx512(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1) {
-  const int64_t K = p.K, G = K / kGroup, row = p.pairs * 64, lanes = p.pairs * 16;
+  const int64_t G = p.K / kGroup;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
-    int8_t* q = const_cast<int8_t*>(p.xq) + m * row;
-    float* dx16 = const_cast<float*>(p.dx16) + m * lanes;
-    int32_t* sx8 = const_cast<int32_t*>(p.sx8) + m * lanes;
-    float* e = const_cast<float*>(p.e) + m * G;
+    const auto [q, dx16, sx8, e] = act_row(p, m);
     if (G % 2) {  // the missing block of the last pair
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * G), _mm256_setzero_si256());  // 32 bytes past K
       _mm256_storeu_ps(dx16 + (G / 2) * 16 + 8, _mm256_setzero_ps());

@@ -8,36 +8,7 @@
 namespace specrt::linear {
 namespace {
 
-float bits_f(uint32_t u) {
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
-// Exact fp16 -> fp32 (as F16C's vcvtph2ps: NaNs come back quiet).
-float h2f(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-  if (exp == 0x1F) return bits_f(sign | 0x7F800000u | (mant << 13) | (mant ? 0x400000u : 0u));
-  if (exp == 0) {
-    if (mant == 0) return bits_f(sign);
-    int e = -1;
-    do {
-      mant <<= 1;
-      ++e;
-    } while (!(mant & 0x400u));
-    return bits_f(sign | ((127u - 15u - e) << 23) | ((mant & 0x3FFu) << 13));
-  }
-  return bits_f(sign | ((exp + 127u - 15u) << 23) | (mant << 13));
-}
-
-float tree16(const float* a) {
-  float s8[8], s4[4];
-  for (int i = 0; i < 8; ++i) s8[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) s4[i] = s8[i] + s8[i + 4];
-  const float s2a = s4[0] + s4[2], s2b = s4[1] + s4[3];
-  return s2a + s2b;
-}
+#include "cpu/scalar_lanes.h"  // bits_f, h2f, tree16
 
 // weight element k of group g of row n, as the integer the dot product uses
 int32_t wq(const DynProblem& p, int64_t n, int64_t g, int k) {
@@ -53,10 +24,7 @@ void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int6
   const int64_t K = p.K, G = K / kGroup, row = p.pairs * 64, lanes = p.pairs * 16;
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
-    int8_t* q = const_cast<int8_t*>(p.xq) + m * row;
-    float* dx16 = const_cast<float*>(p.dx16) + m * lanes;
-    int32_t* sx8 = const_cast<int32_t*>(p.sx8) + m * lanes;
-    float* e = const_cast<float*>(p.e) + m * G;
+    const auto [q, dx16, sx8, e] = act_row(p, m);
     for (int64_t i = 0; i < lanes; ++i) {
       dx16[i] = 0.0f;
       sx8[i] = 0;

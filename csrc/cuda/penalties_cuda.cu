@@ -66,18 +66,6 @@ __global__ void __launch_bounds__(kPenaltyThreads)
   }
 }
 
-void apply_penalties_cuda_op(const at::Tensor& logits, const at::Tensor& row_request, const at::Tensor& row_offset,
-                             const at::Tensor& draft_token_ids, const at::Tensor& entry_start,
-                             const at::Tensor& entry_token, const at::Tensor& entry_count,
-                             const at::Tensor& entry_in_prompt, const at::Tensor& entry_bias,
-                             const at::Tensor& repetition_penalty, const at::Tensor& frequency_penalty,
-                             const at::Tensor& presence_penalty, bool check) {
-  const PenaltiesArgs a = check_apply_penalties(logits, row_request, row_offset, draft_token_ids, entry_start,
-                                                entry_token, entry_count, entry_in_prompt, entry_bias,
-                                                repetition_penalty, frequency_penalty, presence_penalty, check);
-  apply_penalties_cuda(a);
-}
-
 }  // namespace
 
 void apply_penalties_cuda(const PenaltiesArgs& a) {
@@ -98,4 +86,6 @@ void apply_penalties_cuda(const PenaltiesArgs& a) {
 
 }  // namespace specrt
 
-TORCH_LIBRARY_IMPL(specrt, CUDA, m) { m.impl("apply_penalties", &specrt::apply_penalties_cuda_op); }
+TORCH_LIBRARY_IMPL(specrt, CUDA, m) {
+  m.impl("apply_penalties", &specrt::apply_penalties_op<specrt::apply_penalties_cuda>);
+}

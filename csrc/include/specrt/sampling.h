@@ -62,7 +62,7 @@ SPECRT_HOST_DEVICE float race_score_at(float weight, const Philox4x32& block, ui
 // Temperatures below kGreedyTemperature (0, tiny, negative or NaN) are greedy:
 // a one-hot row at the argmax. Dividing float32 logits by a smaller positive
 // temperature overflows (x / t = inf, inf - inf = NaN) for ordinary logits.
-// specrt/reference.py (TEMPERATURE_EPS) and specrt/ops.py mirror this rule.
+// specrt/reference.py (TEMPERATURE_EPS) and specrt/ops/ mirror this rule.
 constexpr float kGreedyTemperature = 1e-5f;
 
 SPECRT_HOST_DEVICE bool is_greedy_temperature(float t) { return !(t >= kGreedyTemperature); }

@@ -1,0 +1,93 @@
+"""Commit one verified step: keep what was accepted, roll back the rest, emit, check stops.
+
+Per request (row b) with n drafts of which a were accepted: the target's KV now holds
+[0, context_len + a); the drafter says what its own cache holds (``on_commit``: a pre-draft
+is kept only if all n were accepted and the bonus token is the one it assumed); the surplus
+KV slots are rolled back (the block table is truncated, nothing copied); a + 1 tokens are
+appended, and the request's full blocks are registered for prefix sharing.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specrt.drafters import Drafter, DraftProposal
+from specrt.kv_cache import PagedKVCache
+from specrt.metrics import EngineMetrics, StepSample
+from specrt.scheduler import Request
+from specrt.verify import VerifyResult, commit_logprobs
+
+logger = logging.getLogger("specrt.engine")
+
+
+@dataclass
+class CommitContext:
+    """What a commit writes to and checks against (fixed for an engine's KV cache)."""
+    kv: PagedKVCache
+    drafter: Drafter | None
+    eos_token_ids: list[int]
+    max_model_len: int
+    decode: Callable[[list[int]], str]
+    device: torch.device
+
+
+@dataclass
+class Ended:
+    """A request the commit finished (stop, length) or failed (its bookkeeping raised)."""
+    request: Request
+    reason: str
+    error: str | None = None
+
+
+def commit_step(ctx: CommitContext, metrics: EngineMetrics, batch: list[Request], proposal: DraftProposal,
+                result: VerifyResult, verify_s: float) -> tuple[list[tuple[Request, StepSample]], list[Ended]]:
+    """Commit every request of the step; one whose bookkeeping raises (e.g. its text cannot be
+    decoded) fails alone. Returns [(request, StepSample)] for the statistics (recorded once the
+    step's time is known) and the requests that ended, in batch order."""
+    for _ in range(proposal.pre_drafts_used):
+        metrics.record_overlap(used=True)
+    drafted_total, verify_share = max(sum(proposal.num_draft_tokens), 1), verify_s / len(batch)
+    samples, ended = [], []
+    for b, r in enumerate(batch):
+        try:
+            sample, reason = _commit_one(ctx, metrics, r, b, proposal, result, drafted_total, verify_share)
+            samples.append((r, sample))
+            if reason is not None:
+                ended.append(Ended(r, reason))
+        except Exception as e:   # noqa: BLE001 - attributable to this request alone
+            logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
+            ended.append(Ended(r, "error", f"{type(e).__name__}: {e}"))
+    return samples, ended
+
+
+def _commit_one(ctx: CommitContext, metrics: EngineMetrics, r: Request, b: int, proposal: DraftProposal,
+                result: VerifyResult, drafted_total: int, verify_share: float) -> tuple[StepSample, str | None]:
+    n, a = proposal.num_draft_tokens[b], result.num_accepted[b]
+    emitted = result.output_token_ids[b][:a + 1]
+    L = r.context_len
+    r.target_cached = L + a
+    pre = result.pre_drafts.get(b)
+    kept = pre is not None and a == n and emitted[-1] == result.pre_draft_guess[b]
+    held = ctx.drafter.on_commit(r, b, proposal, pre, kept) if ctx.drafter is not None else None
+    if held is not None:
+        r.draft_cached = held
+    surplus = ctx.kv.num_tokens(r.request_id) - max(r.target_cached, 0 if held is None else held)
+    if surplus > 0:
+        ctx.kv.rollback(r.request_id, surplus)
+    if pre is not None:
+        metrics.record_overlap(used=False)
+    hidden_s = pre.seconds if kept and ctx.device.type == "cuda" else 0.0
+    share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
+    sample = StepSample(n, a, len(emitted), share, verify_share, hidden_s, context_len=L,
+                        temperature=r.params.temperature)
+    reason = r.append_tokens(emitted, ctx.eos_token_ids, ctx.max_model_len, ctx.decode,
+                             commit_logprobs(r, b, result))
+    sample.emitted = len(r.output_token_ids) - (L - len(r.prompt_token_ids))
+    if reason is None:
+        # a lagging draft KV does not hold back the target's prefix sharing: its blocks
+        # are registered target-only, and a later request's draft recomputes them
+        ctx.kv.commit(r.request_id, r.token_ids[:r.target_cached], all_caches_upto=held)
+    return sample, reason

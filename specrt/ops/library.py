@@ -1,0 +1,54 @@
+"""Loads specrt's compiled extension (the only importer of ``specrt._C``) and reports what it can do.
+
+Importing ``specrt._C`` registers every ``torch.ops.specrt`` op (schemas in csrc/bindings.cpp).
+The helpers below say what this build and CPU offer: the CUDA kernels, and the instruction
+sets the CPU kernels may use (testing hooks: every ISA returns the same bits).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from specrt import _C
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    raise ImportError(
+        "specrt's compiled extension specrt._C is missing or was built against another torch "
+        f"(torch here is {torch.__version__}). Reinstall with `pip install --no-build-isolation .` "
+        f"from the specrt source tree. Original error: {exc}"
+    ) from exc
+
+_CUDA_BUILT = bool(_C.cuda_built())   # a constant, so torch.compile never calls into pybind
+
+
+def cuda_built() -> bool:
+    """True when this build of specrt contains the CUDA kernels."""
+    return _CUDA_BUILT
+
+
+def philox4x32_10_words(counter: list[int], key: list[int]) -> list[int]:
+    """The extension's Philox4x32-10 on 32-bit words (ops.philox4x32_10 checks the arguments)."""
+    return list(_C.philox4x32_10(counter, key))
+
+
+def attention_cpu_isa(cap: int = -1) -> int:
+    """Testing hook: cap the instruction set of the CPU attention kernel (0 portable scalar code,
+    1 AVX2+FMA, 2 AVX-512; -1 only asks) and return the level in use before the call. Every level
+    returns the same bits; tests use this to check that."""
+    return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
+
+
+def linear_dynamic_vnni() -> bool:
+    """Whether quant_linear_dynamic runs on AVX-512-VNNI now (else its portable path: the same bits)."""
+    return bool(torch.ops.specrt.linear_dynamic_vnni())
+
+
+def linear_isa_names() -> list[str]:
+    """ISAs the linear kernel can use on this CPU, best first (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
+    return list(torch.ops.specrt.linear_isa_names())
+
+
+def set_linear_isa(name: str) -> str:
+    """Cap the linear kernel's ISA (all give identical bits; for tests and benchmarks); "" = best.
+
+    Returns: the previous ISA name."""
+    return torch.ops.specrt.set_linear_isa(str(name))

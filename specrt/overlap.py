@@ -1,0 +1,92 @@
+"""Overlap: draft round N+1 while round N verifies (the drafter's pre-draft).
+
+The next round's K per request is planned as the policy would plan it if every draft of this
+round is accepted; its KV slots are reserved before the verification (copy-on-write copies
+then precede it), and the pre-draft runs right after the verify forward was launched. On a
+CPU nothing runs concurrently: the pre-draft only moves draft work earlier, and its host
+time is reported so the step's accounting can take it out of the verification's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specrt.drafters import Drafter, DraftProposal, PreDraft
+from specrt.policy import DraftPolicy
+from specrt.scheduler import Request
+
+logger = logging.getLogger("specrt.engine")
+
+
+@dataclass
+class OverlapStatus:
+    """Whether pre-drafting runs, and why not when it was asked for and cannot (shown in stats)."""
+    requested: bool
+    active: bool = False
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return {"requested": self.requested, "active": self.active, "note": self.note}
+
+
+@dataclass
+class PrePlan:
+    """The next round's pre-draft plan for one step's batch (rows as in the batch)."""
+    next_ks: list[int]                 # [B] the next round's K; 0: no pre-draft for that row
+    stops: list | None                 # [B] the policy's early-stop rule per pre-draft, or None
+
+
+def overlap_status(requested: bool, drafter: Drafter | None, device: torch.device) -> OverlapStatus:
+    """Logs once (a warning) when overlap was asked for and does nothing."""
+    status = OverlapStatus(requested)
+    if not requested:
+        return status
+    if drafter is None:
+        status.note = "no drafter: nothing to pre-draft"
+    elif not getattr(drafter, "supports_pre_draft", False):
+        status.note = (f"the {drafter.name} drafter has no model to run ahead (its proposals cost "
+                       f"microseconds): overlap does nothing")
+    else:
+        status.active = True
+        if device.type != "cuda":
+            status.note = "on a CPU nothing runs concurrently: pre-drafting only moves draft work earlier"
+        elif getattr(drafter, "reads_target_kv", False):
+            status.note = ("self:N pre-drafts read the target's KV: on CUDA they run after the "
+                           "verification (the guess is ready with it; only the rest overlaps the host)")
+    if not status.active:
+        logger.warning("overlap=True has no effect: %s", status.note)
+    return status
+
+
+class Overlap:
+    """Plans and runs one step's pre-drafts for an engine whose overlap is active."""
+
+    def __init__(self, drafter: Drafter, policy: DraftPolicy, device: torch.device,
+                 k_cap: Callable[[Request, int], int]):
+        self.drafter, self.policy, self.device, self.k_cap = drafter, policy, device, k_cap
+
+    def plan(self, batch: list[Request], ks: list[int], proposal: DraftProposal) -> PrePlan:
+        """The next K per request (0: none) if all of this round's drafts are accepted, the stop
+        rules the policy would apply, and their KV slots (reserved now, before the verify)."""
+        next_ks, stops = [], []
+        for r, n, k in zip(batch, proposal.num_draft_tokens, ks):
+            nk = self.policy.next_k(r, k, n, self.k_cap(r, n + 1)) if n > 0 else 0
+            next_ks.append(nk)
+            stops.append(self.policy.pre_stop(r, n) if nk else None)
+        if not any(next_ks):
+            return PrePlan(next_ks, None)
+        return PrePlan(self.drafter.reserve_pre_draft(batch, proposal, next_ks), stops)
+
+    def run(self, batch: list[Request], ks: list[int], proposal: DraftProposal,
+            plan: PrePlan) -> tuple[dict[int, PreDraft], float]:
+        """Draft the next round for the planned rows, assuming every draft is accepted. Returns
+        ({row: PreDraft}, the host seconds it added on a CPU, where nothing overlaps)."""
+        if not any(plan.next_ks):
+            return {}, 0.0
+        t0 = time.perf_counter()
+        pre = self.drafter.pre_draft(batch, ks, proposal, plan.next_ks, plan.stops)
+        return pre, (time.perf_counter() - t0 if self.device.type == "cpu" else 0.0)
