@@ -59,6 +59,7 @@ def quantized_loader(loader: ModelLoader, quantize: str | None, dtype=None) -> M
             return load_model(path, dtype=dt, device=device, quantize=quantize)
         model = loader(path, role, dt, device)
         return model if quantize is None else quantize_model_(model, quantize)
+    load.quantize, load.draft_dtype = quantize, dtype   # what a draft loaded another way must honour
     return load
 
 

@@ -6,6 +6,8 @@ interface (``base.Drafter``), one factory reading the ``draft=`` argument (``fac
 - ``self_draft``: ``self:N``, the target's first N layers plus its final norm and head, reading
   and writing the target's own KV cache for those layers;
 - ``ngram``: prompt lookup in the request's own context; no model;
+- ``reduced``: a reduced-vocabulary DraftModel folder (a model draft whose head covers N of the
+  target's tokens; the others get draft probability zero);
 - ``size``: the start-up warning for a draft over ~1/3 of the target's weight bytes.
 """
 from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft,
@@ -13,9 +15,10 @@ from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal
 from specrt.drafters.factory import make_drafter
 from specrt.drafters.model import ModelDrafter, module_bytes
 from specrt.drafters.ngram import NgramDrafter, NgramProposer, NgramState
+from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
 from specrt.drafters.size import DRAFT_SIZE_LIMIT, check_draft_size
 
-__all__ = ["DRAFT_SIZE_LIMIT", "DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "Drafter", "ModelDrafter", "NgramDrafter",
-           "NgramProposer", "NgramState", "PreDraft", "PreLength", "SelfDrafter", "StopRule", "check_draft_size", "make_drafter", "module_bytes",
-           "no_drafts"]
+__all__ = ["DRAFT_SIZE_LIMIT", "DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "Drafter", "ModelDrafter",
+           "NgramDrafter", "NgramProposer", "NgramState", "PreDraft", "PreLength", "ReducedDrafter", "SelfDrafter",
+           "StopRule", "check_draft_size", "make_drafter", "module_bytes", "no_drafts"]

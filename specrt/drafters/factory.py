@@ -4,6 +4,8 @@
     "ngram[:min[:max]]"  prompt lookup (specrt.drafters.ngram)
     "self:N"             the target's first N layers (specrt.drafters.self_draft)
     "builtin" / folder   a draft model (specrt.drafters.model)
+    a draft folder       a reduced-vocabulary DraftModel (config.json architectures ["SpecrtDraftModel"],
+                         e.g. "smollm2-135m-draft"): specrt.drafters.reduced
 
 Adding a drafter is a new module plus a line here.
 """
@@ -14,9 +16,11 @@ from pathlib import Path
 from specrt.drafters.base import Drafter, DraftSettings
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
+from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
 from specrt.loading import ModelLoader, resolve_model_path
-from specrt.models import check_draft_compatible
+from specrt.models import check_draft_compatible, load_generation_config
+from specrt.models.draft_model import is_draft_folder, load_draft_for_target
 
 
 def make_drafter(draft, target_path: Path, target, settings: DraftSettings, loader: ModelLoader, dtype,
@@ -33,6 +37,14 @@ def make_drafter(draft, target_path: Path, target, settings: DraftSettings, load
         drafter = SelfDrafter(target, int(kind.split(":", 1)[1]), settings)
     else:
         draft_path = resolve_model_path(draft, "draft")
+        if is_draft_folder(draft_path):
+            if accept_head:
+                raise ValueError("policy='head' needs a draft model with an acceptance head; a reduced-vocabulary "
+                                 "draft has none")
+            model = load_draft_for_target(draft_path, target, load_generation_config(target_path),
+                                          getattr(loader, "draft_dtype", None), settings.device,
+                                          getattr(loader, "quantize", None))
+            return ReducedDrafter(model, settings)
         check_draft_compatible(target_path, draft_path)
         model = loader(draft_path, "draft", dtype, settings.device)
         head = load_accept_head(draft_path, settings.device) if accept_head else None

@@ -413,14 +413,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, num_layers: int | None = None,
                 logits_indices: torch.Tensor | None = None,
-                return_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return_hidden: bool = False,
+                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a mixed batch.
 
         input_ids [T] int64 (all requests' new tokens concatenated, in request order);
         positions [T] int64 absolute positions (== seq_len - query_len + i per request);
         kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim] — written at meta.slot_mapping;
         num_layers: run only the first N layers + final norm + lm_head (self-speculative draft);
-        logits_indices [L]: rows to compute logits for (default all T).
+        logits_indices [L]: rows to compute logits for (default all T);
+        inputs_embeds [T, hidden]: the residual stream entering layer 0 instead of the token
+        embeddings (feature drafts; consumed: the fused path updates it in place).
         Returns (logits [L, V] float32, final-normed hidden [L, hidden] or None).
         """
         cfg = self.config
@@ -447,7 +450,7 @@ class LlamaForCausalLM(nn.Module):
 
         if not self._prepared:
             self.prepare()
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype, max_seq)  # [T, D] each
         if self._fused and x.dtype == self.dtype and kv_cache.dtype in ops.FUSED_DTYPES and kv_cache.is_cpu:
             h = self._forward_fused(x, cos, sin, meta, kv_cache, n, logits_indices)  # [L, hidden]

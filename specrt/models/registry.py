@@ -28,6 +28,12 @@ NAMED_MODELS: dict[str, NamedModel] = {
 }
 
 
+# models shipped inside specrt (specrt/builtin/FOLDER), by name
+BUILTIN_NAMES: dict[str, str] = {
+    "smollm2-135m-draft": "smollm2-draft",   # the reduced-vocabulary draft distilled for smollm2-135m
+}
+
+
 def _package_dir(package: str) -> Path | None:
     """The installed package's folder, located without running its __init__ (which may import
     dependencies specrt does not need)."""
@@ -54,7 +60,7 @@ def named_model_path(name: str) -> Path:
 
 def resolve_model(path_or_name, role: str) -> Path:
     """A local model source for ``role`` ("target" | "draft"): "builtin" (the packaged pair), a
-    name from NAMED_MODELS, a model folder, or a .gguf file. Raises ValueError naming the argument."""
+    name from NAMED_MODELS or BUILTIN_NAMES, a model folder, or a .gguf file. Raises ValueError naming the argument."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if path_or_name is None or not isinstance(path_or_name, (str, Path)):
@@ -67,6 +73,11 @@ def resolve_model(path_or_name, role: str) -> Path:
         return p
     if text in NAMED_MODELS:
         return named_model_path(text)
+    if text in BUILTIN_NAMES:
+        p = BUILTIN_DIR / BUILTIN_NAMES[text]
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{role} model {text!r} is missing from this install ({p})")
+        return p
     p = Path(text).expanduser()
     if p.is_dir():
         return p
@@ -75,4 +86,4 @@ def resolve_model(path_or_name, role: str) -> Path:
             raise ValueError(f"{role} model file {p} is not a GGUF file (give a model folder or a .gguf file)")
         return p
     raise ValueError(f"{role} model not found: {p} (expected a model folder, a .gguf file, 'builtin' "
-                     f"or one of {', '.join(NAMED_MODELS)})")
+                     f"or one of {', '.join([*NAMED_MODELS, *BUILTIN_NAMES])})")

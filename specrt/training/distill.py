@@ -1,10 +1,13 @@
-"""Make a draft for a target: layer-subset init (or scratch) + KL distillation.
+"""`specrt distill` entry point, and the built-in pair's full-vocabulary HF draft recipe.
+
+``main`` runs the reduced-vocabulary draft pipeline (specrt.training.draft_distill);
+``--arch hf`` runs ``main_hf`` below: layer-subset init (or scratch) + KL distillation.
 
     # layer-init draft: target layers 0 and 5 + embeddings + final norm + head, distilled
-    python -m specrt.training.distill --target ckpt/target/hf --out ckpt/draft_layerinit \
+    python -m specrt.training.distill --arch hf --target ckpt/target/hf --out ckpt/draft_layerinit \
         --layers 0,5 --steps 600
     # same size from scratch, same data and steps
-    python -m specrt.training.distill --target ckpt/target/hf --out ckpt/draft_scratch \
+    python -m specrt.training.distill --arch hf --target ckpt/target/hf --out ckpt/draft_scratch \
         --init scratch --num-layers 2 --steps 600
 
 Objective: forward KL(p_target || q_draft) at temperature 1, averaged over all
@@ -188,7 +191,21 @@ def distill(target, draft, train: torch.Tensor, onpolicy: torch.Tensor | None, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specrt.training.distill", description=__doc__,
+    """`specrt distill`: the reduced-vocabulary draft pipeline (specrt.training.draft_distill);
+    ``--arch hf`` runs main_hf, the full-vocabulary HF draft recipe of the built-in pair."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(argv):
+        if (a == "--arch" and argv[i + 1:i + 2] == ["hf"]) or a == "--arch=hf":
+            return main_hf(argv[:i] + argv[i + (1 if a == "--arch=hf" else 2):])
+    from specrt.training.draft_distill import main as pipeline_main
+
+    return pipeline_main(argv)
+
+
+def main_hf(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specrt distill --arch hf", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="ckpt/target/hf", help="HF folder of the target")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the target's)")

@@ -35,12 +35,12 @@ STEPS: list[tuple[str, str, list[str]]] = [
         "--lr", "2e-3", "--warmup", "100", "--bf16", "--threads", "1",
         "--ckpt-minutes", "4", "--eval-every", "250", "--resume"]),
     ("distill_layerinit", "distill", [
-        "--target", f"{CKPT}/target/hf", "--out", f"{CKPT}/draft_layerinit", "--init", "layers",
+        "--arch", "hf", "--target", f"{CKPT}/target/hf", "--out", f"{CKPT}/draft_layerinit", "--init", "layers",
         "--layers", "auto", "--num-layers", "2", "--steps", "2000", "--time-budget-min", "9",
         "--batch", "8", "--seq-len", "256", "--lr", "1e-3", "--warmup", "30",
         "--onpolicy", f"{CKPT}/onpolicy.pt", "--onpolicy-seqs", "384", "--threads", "1"]),
     ("distill_scratch", "distill", [
-        "--target", f"{CKPT}/target/hf", "--out", f"{CKPT}/draft_scratch", "--init", "scratch",
+        "--arch", "hf", "--target", f"{CKPT}/target/hf", "--out", f"{CKPT}/draft_scratch", "--init", "scratch",
         "--num-layers", "2", "--steps", "{layerinit_steps}", "--batch", "8", "--seq-len", "256",
         "--lr", "2e-3", "--warmup", "30", "--onpolicy", f"{CKPT}/onpolicy.pt", "--threads", "1"]),
     ("accept_head", "accept_head", [

@@ -1,0 +1,231 @@
+"""`specrt distill`: make a reduced-vocabulary draft for any supported target, end to end.
+
+    specrt distill --target smollm2-135m --arch feature --budget-min 30 --out drafts/smollm2
+    specrt distill --target DIR --arch layers --layers auto --corpus notes/*.txt --steps 2000 --out D
+
+Stages (each resumes from what an interrupted run left in ``--work``, default ``OUT.work``):
+  1. data     on-policy: the target answers built-in training prompts (batched through
+              specrt's model and paged KV cache; greedy and sampled) and the teacher's top-k
+              log-probabilities and features are recorded in the same pass; or ``--corpus``
+              (text / JSONL) followed by one teacher pass. Shards: WORK/train/teacher_*.safetensors
+  2. vocab    the ``--vocab`` most frequent target tokens: produced tokens plus the teacher's
+              top-k mass (auto: the smallest of 2k/4k/8k/16k/32k covering 98% of that weight)
+  3. train    a feature draft (EAGLE-style, one layer initialised from the target's last) or a
+              layer draft (target layers, ``--layers auto`` picks the pair with the lowest KL)
+              against the stored teacher: bf16 autocast, tqdm, a checkpoint WORK/ckpt_ARCH.pt
+  4. save     OUT: config.json, model.safetensors (draft layers, fc, norm, id map; the target's
+              embeddings are bound at load time), generation_config.json (the target's
+              bos/eos/pad ids), distill_summary.json (+ held-out acceptance unless
+              ``--heldout-prompts 0``)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+VOCAB_CHOICES = (2048, 4096, 8192, 16384, 32768)
+
+
+def resolve_target(target: str) -> Path:
+    """A local folder or GGUF file for ``target`` (a folder, a .gguf file or a model name)."""
+    try:
+        from specrt.models.registry import resolve_model
+    except ImportError:  # before GGUF support: folders and "builtin" only
+        from specrt.engine import resolve_model_path as resolve_model
+    return Path(resolve_model(target, "target"))
+
+
+def write_generation_config(target_src, out_dir) -> dict:
+    """OUT/generation_config.json with the target's bos / eos / pad ids (a draft must stop and
+    start exactly as its target does: specrt refuses a draft whose special ids differ)."""
+    from specrt.models import load_generation_config
+    from specrt.models.config import ModelConfig
+
+    gen = load_generation_config(target_src)
+    cfg = ModelConfig.from_json(target_src) if Path(target_src).is_dir() else None
+    raw = cfg.extra if cfg is not None else {}
+    out = {}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = gen.get(key, raw.get(key))
+        if value is not None:
+            out[key] = value
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(out, f, indent=2, sort_keys=True)
+    return out
+
+
+def choose_vocab_size(counts: torch.Tensor, requested: str, min_coverage: float = 0.98) -> int:
+    if requested != "auto":
+        n = int(requested)
+        if not 1 <= n <= counts.shape[0]:
+            raise ValueError(f"--vocab {n} must be in [1, {counts.shape[0]}] or 'auto'")
+        return n
+    total = float(counts.sum())
+    top = torch.sort(counts.double(), descending=True).values.cumsum(0)
+    for n in VOCAB_CHOICES:
+        if n >= counts.shape[0] or float(top[n - 1]) / max(total, 1.0) >= min_coverage:
+            return min(n, counts.shape[0])
+    return counts.shape[0]
+
+
+@torch.no_grad()
+def choose_layers(target, store, vocab, num_layers: int = 2, candidates: int = 4, sequences: int = 8,
+                  log=print) -> list[int]:
+    """The layer pair (first ``candidates`` x last ``candidates`` target layers, plus the first
+    consecutive pairs) whose untrained draft has the lowest sparse KL on a few sequences."""
+    from itertools import combinations
+
+    from specrt.training.draft_train import batch_loss, collate, init_draft
+
+    L = target.config.num_layers
+    if num_layers != 2:
+        return list(range(num_layers - 1)) + [L - 1]
+    pool = sorted(set(range(min(candidates, L))) | set(range(max(L - candidates, 0), L)))
+    batch = collate(store, list(range(min(sequences, store.num_sequences))), False)
+    best, best_kl = None, float("inf")
+    for pair in combinations(pool, 2):
+        d = init_draft(target, "layers", list(pair), vocab)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            kl = float(batch_loss(d, batch, vocab.target_to_draft, 1, 1.0)[0])
+        log(f"  layers {list(pair)}: KL {kl:.3f}")
+        if kl < best_kl:
+            best, best_kl = list(pair), kl
+    log(f"chose layers {best} (KL {best_kl:.3f} before training)")
+    return best
+
+
+def build_data(args, target, tokenizer, work: str, log=print):
+    """Stage 1: the teacher store of the training data (and of the held-out prompts)."""
+    from specrt.training.onpolicy import corpus_sequences
+    from specrt.training.teacher import build_teacher_store, generate_store, load_teacher
+
+    train_dir = os.path.join(work, "train")
+    feats = args.arch == "feature"
+    if args.corpus:
+        seq_dir = os.path.join(work, "corpus_seqs")
+        os.makedirs(seq_dir, exist_ok=True)
+        if not os.path.exists(os.path.join(seq_dir, "seqs_00000.pt")):
+            corpus_sequences(args.corpus, tokenizer, args.max_len).save(os.path.join(seq_dir, "seqs_00000.pt"))
+        build_teacher_store(target, seq_dir, train_dir, args.topk, feats, log=log)
+    else:
+        temps = [float(t) for t in args.temperatures.split(",")]
+        generate_store(target, tokenizer, train_dir, "train", args.num_prompts, args.gen_batch,
+                       args.max_new_tokens, temps, args.topk, feats, args.seed, log=log)
+    heldout = None
+    if args.heldout_prompts:
+        held_dir = os.path.join(work, "heldout")
+        generate_store(target, tokenizer, held_dir, "heldout", args.heldout_prompts, args.gen_batch,
+                       min(args.max_new_tokens, 128), [0.0], args.topk, True, args.seed, log=log)
+        heldout = load_teacher(held_dir)
+    return load_teacher(train_dir), heldout
+
+
+def run(args, log=print) -> dict:
+    from specrt.models import load_model, load_tokenizer
+    from specrt.models.draft_model import DraftModel
+    from specrt.training.draft_eval import chain_acceptance
+    from specrt.training.draft_train import TrainConfig, init_draft, train_draft
+    from specrt.training.vocab import build_reduced_vocab, teacher_mass, token_counts
+
+    torch.set_num_threads(args.threads)
+    src = resolve_target(args.target)
+    work = args.work or args.out.rstrip("/") + ".work"
+    os.makedirs(work, exist_ok=True)
+    t0 = time.time()
+    target = load_model(src, dtype=args.dtype)
+    tokenizer = load_tokenizer(src)
+    store, heldout = build_data(args, target, tokenizer, work, log)
+    data_s = time.time() - t0
+    gen_mask = torch.cat([torch.arange(int(store.offsets[s]) + int(store.prompt_lens[s]), int(store.offsets[s + 1]))
+                          for s in range(store.num_sequences)])
+    produced = store.token_ids[gen_mask] if gen_mask.numel() else store.token_ids
+    counts = token_counts(produced, target.config.vocab_size) + teacher_mass(
+        store.topk_ids, store.topk_logprobs, target.config.vocab_size)
+    n = choose_vocab_size(counts, args.vocab)
+    vocab = build_reduced_vocab(counts, n, always=tokenizer.eos_token_ids)
+    log(f"data: {store.num_sequences} sequences, {store.token_ids.numel()} positions ({produced.numel()} produced "
+        f"by the target) in {data_s:.0f}s; draft vocabulary {n} covers {vocab.coverage(produced):.4f} of them")
+
+    if args.layers != "auto":
+        layers = _ints(args.layers)
+    elif args.arch == "feature" and args.num_layers == 1:
+        layers = [target.config.num_layers - 1]
+    else:
+        layers = choose_layers(target, store, vocab, args.num_layers, log=log)
+    target_f32 = target.float()  # trainable copies are made in fp32
+    draft = init_draft(target_f32, args.arch, layers, vocab, args.fc_init)
+    cfg = TrainConfig(steps=args.steps, budget_s=args.budget_min * 60, lr=args.lr, warmup=args.warmup,
+                      batch_tokens=args.batch_tokens, chain_steps=args.chain_steps, seed=args.seed)
+    summary = train_draft(draft, store, vocab, cfg, os.path.join(work, f"ckpt_{args.arch}.pt"), log=log)
+
+    os.makedirs(args.out, exist_ok=True)
+    draft.config.extra.update(distill={"target": str(args.target), "data_positions": int(store.token_ids.numel()),
+                                       "vocab_coverage": round(vocab.coverage(produced), 4)})
+    draft.save_pretrained(args.out, dtype=torch.bfloat16)
+    write_generation_config(src, args.out)
+    summary.update(arch=args.arch, layers=layers, draft_vocab_size=n, data_seconds=round(data_s, 1),
+                   data_sequences=store.num_sequences, data_positions=int(store.token_ids.numel()),
+                   vocab_coverage=round(vocab.coverage(produced), 4))
+    if heldout is not None:
+        saved = DraftModel.from_pretrained(args.out, target_f32)
+        summary["heldout"] = chain_acceptance(saved, heldout, k=4)
+        log(f"held-out acceptance: {json.dumps(summary['heldout'])}")
+    with open(os.path.join(args.out, "distill_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--layers must be 'auto' or comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specrt distill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="model folder, .gguf file, or a name (smollm2-135m)")
+    ap.add_argument("--out", required=True, help="draft folder to write")
+    ap.add_argument("--arch", choices=["feature", "layers", "hf"], default="feature",
+                    help="feature (EAGLE-style), layers (target layers), hf (the built-in pair's full-vocabulary "
+                         "HF draft: specrt.training.distill's older recipe)")
+    ap.add_argument("--init", choices=["layers"], default="layers", help="initialise from the target's layers")
+    ap.add_argument("--layers", default="auto", help="target layer indices 'i,j,..' or auto")
+    ap.add_argument("--num-layers", type=int, default=2,
+                    help="draft depth for --layers auto (a 1-layer feature draft starts from the last layer)")
+    ap.add_argument("--fc-init", choices=["embed", "sum"], default="embed",
+                    help="feature drafts: fc starts as [I, 0] (the layer draft) or [I, I]")
+    ap.add_argument("--corpus", nargs="+", default=None, help="text / JSONL files instead of on-policy data")
+    ap.add_argument("--max-len", type=int, default=512, help="--corpus: tokens per sequence")
+    ap.add_argument("--num-prompts", type=int, default=512, help="on-policy: built-in training prompts")
+    ap.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts to evaluate on (0 = skip)")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--temperatures", default="0,0.7,1.0,0", help="on-policy sampling temperatures (cycled)")
+    ap.add_argument("--gen-batch", type=int, default=128, help="sequences generated together")
+    ap.add_argument("--topk", type=int, default=32, help="teacher log-probabilities stored per position")
+    ap.add_argument("--vocab", default="auto", help="draft vocabulary size N, or auto")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--budget-min", type=float, default=0.0, help="training wall-time budget (0 = --steps)")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--chain-steps", type=int, default=3, help="feature drafts: chain positions trained")
+    ap.add_argument("--dtype", default="bfloat16", help="the target's dtype for the data pass")
+    ap.add_argument("--work", default=None, help="data, teacher shards and checkpoints (default OUT.work)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.arch == "hf":
+        raise ValueError("--arch hf is served by specrt.training.distill.main_hf")
+    run(args)
+    return 0
