@@ -42,6 +42,7 @@ LAYERS = [
     "specrt",
     "specrt.server",
     "specrt.training",
+    "specrt.demo",
     "specrt.cli",
     "bench",
 ]
