@@ -49,7 +49,9 @@ def quantize_like_gguf(model: LlamaForCausalLM) -> LlamaForCausalLM:
 def specrt_model(gguf: str, hf_folder: str | None, shapes: dict) -> tuple[LlamaForCausalLM, str]:
     """(model, where its weights come from)."""
     try:
-        return load_model(gguf).eval().prepare(), f"the GGUF's weights ({os.path.basename(gguf)})"
+        # load_model dequantizes a GGUF: quantize back to the file's formats (Q4_1 + Q8_0 head)
+        return quantize_like_gguf(load_model(gguf)).eval().prepare(), \
+            f"the GGUF's weights ({os.path.basename(gguf)}), in its formats (Q4_1 + Q8_0 head)"
     except Exception as e:  # noqa: BLE001 - no GGUF loader yet (or it refuses): say so, fall back
         reason = f"load_model(gguf) failed: {str(e)[:80]}"
     if hf_folder:
