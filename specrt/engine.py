@@ -37,7 +37,7 @@ from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
 from specrt.overlap import Overlap, overlap_status
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.verify import accept, build_verify_batch, to_host
+from specrt.verify import accept, build_verify_batch, feeds_context, to_host
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
@@ -252,7 +252,12 @@ class LLMEngine:
         return outs
 
     def _k_cap(self, r: Request, ahead: int = 0) -> int:
-        """The most tokens r may draft (after ``ahead`` more tokens): room in max_tokens and the context."""
+        """The most tokens r may draft (after ``ahead`` more tokens): room in max_tokens and the context.
+        0 while r's context is fed (a prefill): its rows then run in a forward of the same shape as
+        without a drafter (prefill GEMMs and attention are not row-invariant: drafts appended to the
+        prompt would change its KV by ulps, and greedy output would differ from autoregressive)."""
+        if ahead == 0 and feeds_context(r):
+            return 0
         remaining = r.params.max_tokens - r.num_generated - ahead - 1
         room = self.max_model_len - r.context_len - ahead - 1
         return max(0, min(self.spec.max_draft_length, remaining, room))

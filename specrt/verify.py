@@ -77,6 +77,12 @@ def _scores_prompt(r) -> bool:
     return r.params.prompt_logprobs is not None and r.prompt_logprobs is None and r.num_generated == 0
 
 
+def feeds_context(r) -> bool:
+    """This step scores more than the request's last token: its prompt (or the part not cached), a
+    recompute after preemption, or the prompt's log-probabilities."""
+    return r.context_len - r.target_cached > 1 or _scores_prompt(r)
+
+
 def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatch:
     """Lay out every request's pending tokens + drafts; reserve nothing (the slots exist). A request
     scoring its prompt feeds all of it: positions whose KV is cached already (a shared prefix) are

@@ -119,15 +119,15 @@ N = 500          # requests per control and engine
 T = 4            # tokens per request
 
 
-def _samples(eng, seed0: int) -> dict[str, np.ndarray]:
-    """{control: [N, T] tokens}, every control's N requests in one run (distinct seeds)."""
+def _samples(eng, seed0: int, n: int = N, controls=tuple(CONTROLS)) -> dict[str, np.ndarray]:
+    """{control: [n, T] tokens}, every control's n requests in one run (distinct seeds)."""
     prompts, params = [], []
-    for c in CONTROLS:
-        prompts += [PROMPTS[1]] * N
+    for c in controls:
+        prompts += [PROMPTS[1]] * n
         params += [SamplingParams(temperature=1.0, top_k=6, max_tokens=T, ignore_eos=True,
-                                  seed=seed0 + len(params) + j, **CONTROLS[c]) for j in range(N)]
+                                  seed=seed0 + len(params) + j, **CONTROLS[c]) for j in range(n)]
     out = np.array(tokens(eng.generate(prompts, params)))
-    return {c: out[i * N:(i + 1) * N] for i, c in enumerate(CONTROLS)}
+    return {c: out[i * n:(i + 1) * n] for i, c in enumerate(controls)}
 
 
 def _two_sample_p(a: np.ndarray, b: np.ndarray) -> float:
@@ -185,17 +185,20 @@ def _forget_drafts_in_verify(monkeypatch) -> None:
     monkeypatch.setattr(engine_module, "build_verify_batch", forgetful)
 
 
-def test_the_distribution_test_has_power(pair, ar_samples, monkeypatch):
+def test_the_distribution_test_has_power(pair, monkeypatch):
     """A broken engine whose verified rows ignore the drafts before them (every row sees only the
     committed history) must fail the test above for the penalties; that is the bug the per-position
-    history prevents."""
+    history prevents. 4N requests: the first token comes from the prefill (no drafts), so only the
+    T - 1 later ones can show the bug."""
+    penalties = ("repetition", "presence_frequency")
+    ar = _samples(llm(pair, "none", max_batch_size=256), seed0=10_000_000, n=4 * N, controls=penalties)
     _forget_drafts_in_verify(monkeypatch)
     tdir, ddir = pair
     eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_batch_size=256, max_draft_length=4),
                      seed=0)
-    sp = _samples(eng, seed0=50_000_000)
-    for c in ("repetition", "presence_frequency"):
-        worst = min(_distribution_pvalues(ar_samples[c], sp[c]).values())
+    sp = _samples(eng, seed0=50_000_000, n=4 * N, controls=penalties)
+    for c in penalties:
+        worst = min(_distribution_pvalues(ar[c], sp[c]).values())
         assert worst < P_FAIL, f"control {c}: the broken engine passed (p={worst:.2e})"
 
 

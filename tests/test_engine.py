@@ -148,8 +148,10 @@ def test_calibrate_seeds_both_step_kinds_and_leaves_no_trace(pair, ar_greedy):
 
 def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
     """With the n-gram drafter the policy plans with each request's actual proposal length as
-    its cap (0 without a match), and drafts are prefixes of those proposals: same tokens as AR."""
+    its cap (0 without a match, and 0 on a step that feeds the prompt: its rows run as without a
+    drafter), and drafts are prefixes of those proposals: same tokens as AR."""
     from specrt.drafters import NgramProposer
+    from specrt.verify import feeds_context
 
     tdir, _ = pair
     llm_ = specrt.LLM(target=str(tdir), draft="ngram", spec=SpecConfig(policy="budget", max_draft_length=4), seed=0)
@@ -158,16 +160,18 @@ def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
     plan = eng.policy.plan
 
     def spy(reqs, caps, costs=None, catchup=None):
-        seen.append([(list(r.token_ids), c, r.params.max_tokens - r.num_generated - 1) for r, c in zip(reqs, caps)])
+        seen.append([(list(r.token_ids), c, r.params.max_tokens - r.num_generated - 1, feeds_context(r))
+                     for r, c in zip(reqs, caps)])
         return plan(reqs, caps, costs, catchup)
     eng.policy.plan = spy
     assert tokens(llm_.generate(PROMPTS[:4], GREEDY)) == ar_greedy[:4]
     prop = NgramProposer()
-    caps = [c for step in seen for _, c, _ in step]
+    caps = [c for step in seen for _, c, _, _ in step]
     assert 0 in caps and max(caps) > 0
+    assert any(prefill for step in seen for *_, prefill in step)
     for step in seen:
-        for ids, c, remaining in step:
-            assert c == len(prop.propose(ids, max(0, min(4, remaining))))
+        for ids, c, remaining, prefill in step:
+            assert c == (0 if prefill else len(prop.propose(ids, max(0, min(4, remaining)))))
 
 
 @pytest.mark.parametrize("draft", ["model", "ngram"])

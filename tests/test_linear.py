@@ -564,3 +564,57 @@ def test_int8_activations_model_verify_equals_decode(tiny, kind):
     r2.prefill("s", list(range(3, 30)))
     singles = [r2.decode("s", [t])[0] for t in drafts]
     assert same_bits(verify, torch.stack(singles))
+
+
+def _path_logits(llm, prompt: list[int], n: int) -> tuple[list[int], dict[int, torch.Tensor]]:
+    """Greedy tokens for ``prompt`` and, per position p, the target's logits of the row at p whose
+    context is the final sequence (rows after a rejected draft are off the path and left out)."""
+    from specrt import SamplingParams
+
+    target, forwards = llm.engine.target, []
+
+    def recording(input_ids, positions, meta, kv_cache, logits_indices=None, **kw):
+        logits, hidden = type(target).forward(target, input_ids, positions, meta, kv_cache,
+                                              logits_indices=logits_indices, **kw)
+        rows = range(len(positions)) if logits_indices is None else logits_indices.tolist()
+        forwards.append((input_ids.tolist(), positions.tolist(), list(rows), logits.clone()))
+        return logits, hidden
+
+    target.forward = recording
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
+    finally:
+        del target.forward
+    seq, path = prompt + list(out), {}
+    for ids, pos, rows, logits in forwards:
+        for j, i in enumerate(rows):
+            if all(ids[r] == seq[pos[r]] for r in range(i + 1)):
+                path[pos[i]] = logits[j]
+    return list(out), path
+
+
+@pytest.mark.skipif(not (BUILTIN / "target" / "config.json").is_file(), reason="built-in model not present")
+def test_bf16_speculative_prefill_rows_equal_autoregressive_bit_for_bit():
+    """The forward that scores a prompt has the same rows with and without a drafter, so the prompt's
+    KV and every later logit are bit-identical: drafts fed along with the prompt would change its
+    rows (prefill attention over a cached prefix and GEMMs above SMALL_M are not row-invariant).
+    Cases: a prompt whose first block is shared with an earlier one (its 30 other tokens attend over
+    the cached block with masked SDPA, whose rows depend on the key count: SmolLM2 diverged so), and a
+    fresh 126-token prompt (129+ rows leave the linear kernel: the case that fails here without the fix)."""
+    import specrt
+
+    ar = specrt.LLM(target="builtin", draft=None, dtype=torch.bfloat16, seed=0,
+                    spec=specrt.SpecConfig(max_batch_size=1))
+    ng = specrt.LLM(target="builtin", draft="ngram", dtype=torch.bfloat16, seed=0,
+                    spec=specrt.SpecConfig(max_batch_size=1, max_draft_length=4))
+    loop = [11, 57, 302, 9, 1024, 77]  # repeats: the n-gram drafter proposes from the prompt itself
+    first = list(range(100, 140))
+    shared = first[:16] + (loop * 5)[:30]
+    fresh = list(range(200, 230)) + (loop * 16)[:96]
+    for prompt in (first, shared, fresh):
+        expected, ar_rows = _path_logits(ar, prompt, 12)
+        tokens, ng_rows = _path_logits(ng, prompt, 12)
+        assert tokens == expected, len(prompt)
+        assert ng_rows.keys() <= ar_rows.keys() and len(ng_rows) == len(ar_rows)
+        for p, row in ng_rows.items():
+            assert torch.equal(row, ar_rows[p]), (len(prompt), p)

@@ -94,10 +94,11 @@ def test_greedy_equals_autoregressive(pair, k, overlap):
 
 
 def _pairs(eng, n: int, seed0: int, wrap=None) -> np.ndarray:
-    """[n, 2] the first two generated tokens of PROMPTS[1] at T=1, top-k 8 (token 2 is drafted)."""
-    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=2, ignore_eos=True, seed=seed0 + i)
+    """[n, 2] the first two generated tokens of PROMPTS[1] at T=1, top-k 8 (token 2 is drafted: the
+    prefill samples token 1 without drafts, the next step drafts one token; a third leaves room for it)."""
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=3, ignore_eos=True, seed=seed0 + i)
               for i in range(n)]
-    return np.array([o.token_ids for o in eng.generate([PROMPTS[1]] * n, params)])
+    return np.array([o.token_ids[:2] for o in eng.generate([PROMPTS[1]] * n, params)])
 
 
 def _exact_tables(tdir: Path) -> tuple[np.ndarray, np.ndarray]:
