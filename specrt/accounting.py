@@ -14,18 +14,20 @@ from specrt.scheduler import Request
 from specrt.verify import VerifyBatch
 
 
-def record_costs(costs: CostModel, vb: VerifyBatch, proposal: DraftProposal, step_s: float, total_s: float) -> None:
+def record_costs(costs: CostModel, vb: VerifyBatch, proposal: DraftProposal, step_s: float, total_s: float,
+                 limit_s: float = 0.0) -> None:
     """The drafting, and everything else the step cost (planning, the verify forward, sampling,
     bookkeeping) as the verify sample, marked by whether anything was drafted (a multi-token
     verify can cost a jump over a plain decode step); ``total_s``: the whole step, admission
-    included (a steady plain step's is an autoregressive step sample)."""
+    included. A steady plain step less ``limit_s`` (the drafter's search for its caps, which an
+    autoregressive engine never runs) is a sample of the autoregressive step time."""
     cost = proposal.cost
     draft_s = cost.measured_seconds() if cost.forwards else cost.seconds
     if cost.forwards:
         costs.add_draft(cost.forwards, cost.tokens_fed, cost.attended, draft_s)
     costs.add_verify(vb.num_query_tokens, vb.num_context_tokens, max(step_s - draft_s, 1e-9),
                      drafted=sum(proposal.num_draft_tokens) > 0, requests=len(vb.num_draft_tokens),
-                     step_seconds=total_s)
+                     step_seconds=max(total_s - limit_s, 1e-9))
 
 
 def record_samples(costs: CostModel, metrics: EngineMetrics, samples: list[tuple[Request, StepSample]],

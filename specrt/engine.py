@@ -230,7 +230,7 @@ class LLMEngine:
                 self.policy.observe(r, n, a)
         step_s = time.perf_counter() - t_step
         total_s = time.perf_counter() - t0               # the whole step, admission included
-        record_costs(self.costs, vb, proposal, step_s - pre_s, total_s)
+        record_costs(self.costs, vb, proposal, step_s - pre_s, total_s, limits.seconds if limits else 0.0)
         emitted = sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch))
         if self.speculative and forced_k is None:
             self.policy.step_done(emitted, step_s)

@@ -69,6 +69,8 @@ class DraftLimits:
     caps: list[int]                                  # [B] most tokens each request can draft
     known: dict[Hashable, list[int]] = field(default_factory=dict)   # request id -> proposal already
                                                      # made to find its cap (n-gram); drafts are its prefixes
+    seconds: float = 0.0                             # host time spent finding the caps (the n-gram
+                                                     # search), paid on plain steps too
 
 
 @dataclass

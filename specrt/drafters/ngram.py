@@ -113,8 +113,9 @@ class NgramDrafter(Drafter):
         return prop
 
     def limit(self, batch, caps: list[int]) -> DraftLimits:
+        t0 = time.perf_counter()
         known = {r.request_id: self._propose(r, c) for r, c in zip(batch, caps)}
-        return DraftLimits([len(known[r.request_id]) for r in batch], known)
+        return DraftLimits([len(known[r.request_id]) for r in batch], known, time.perf_counter() - t0)
 
     def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
                 pre_length=None) -> DraftProposal:
