@@ -2,11 +2,15 @@
 argument parsing. The benchmark itself is run by hand (bench/README.md), never timed in tests."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
-peers = pytest.importorskip("bench.peers")
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # the bench package; after site-packages
+from bench import gguf_float, peers  # noqa: E402
 
 from gguf.quants import dequantize, quantize  # noqa: E402
 
@@ -51,7 +55,7 @@ def _fields(reader) -> dict:
 def test_dequantize_rewrite_keeps_values_layout_and_metadata(tmp_path, kind, qtype, file_type, rtol):
     src, dst = tmp_path / "q.gguf", tmp_path / f"{kind}.gguf"
     values = _tiny_gguf(src)
-    peers.dequantize_gguf(src, dst, kind)
+    gguf_float.dequantize_gguf(src, dst, kind)
     a, b = gguf.GGUFReader(src), gguf.GGUFReader(dst)
     fa, fb = _fields(a), _fields(b)
     assert fb.pop("general.file_type") == int(file_type)
@@ -70,14 +74,14 @@ def test_dequantize_rewrite_keeps_values_layout_and_metadata(tmp_path, kind, qty
 def test_dequantize_rewrite_refuses_an_unknown_kind(tmp_path):
     _tiny_gguf(tmp_path / "q.gguf")
     with pytest.raises(ValueError, match="kind"):
-        peers.dequantize_gguf(tmp_path / "q.gguf", tmp_path / "x.gguf", "q8")
+        gguf_float.dequantize_gguf(tmp_path / "q.gguf", tmp_path / "x.gguf", "q8")
 
 
 def test_cached_float_gguf_writes_once(tmp_path):
     _tiny_gguf(tmp_path / "q.gguf")
-    first = peers.cached_float_gguf(str(tmp_path / "q.gguf"), "f16", tmp_path / "cache")
+    first = gguf_float.cached_float_gguf(str(tmp_path / "q.gguf"), "f16", tmp_path / "cache")
     stamp = first.stat().st_mtime_ns
-    again = peers.cached_float_gguf(str(tmp_path / "q.gguf"), "f16", tmp_path / "cache")
+    again = gguf_float.cached_float_gguf(str(tmp_path / "q.gguf"), "f16", tmp_path / "cache")
     assert again == first and again.stat().st_mtime_ns == stamp
     assert not list((tmp_path / "cache").glob("*.tmp"))
 
