@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the checkout, after site-packages: an installed specrt wins (and its spawned workers agree)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from specrt import ops  # noqa: E402
 from specrt.attention import AttentionMetadata  # noqa: E402
 from specrt.models.config import ModelConfig  # noqa: E402

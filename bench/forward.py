@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the checkout, after site-packages: an installed specrt wins (and its spawned workers agree)
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from specrt import ops  # noqa: E402
 from specrt.kv_cache import PagedKVCache  # noqa: E402

@@ -46,7 +46,8 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the checkout, after site-packages: an installed specrt wins (and its spawned workers agree)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.kernel_baselines import (baseline_rejection_sample, baseline_sample_tokens,  # noqa: E402
                                     torch_copy_blocks, torch_coupled, torch_probs_from_logits,
                                     torch_rejection_sample, torch_sample_tokens, torch_verify_greedy,
