@@ -337,3 +337,22 @@ def test_shipped_smollm2_draft_is_small_and_consistent():
     feats = torch.randn(1, 4, 576) if d.config.kind == "feature" else None
     logits, h = d.forward_dense(ids, feats)
     assert logits.shape == (1, 4, d.config.draft_vocab_size) and torch.isfinite(logits).all()
+
+
+@needs_builtin
+def test_warm_start_copies_a_drafts_layers_and_refuses_another_kind(tmp_path, target, vocab):
+    from specrt.training.draft_distill import warm_start
+    src = init_draft(target, "feature", [5], vocab)
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.01)  # differs from a fresh init
+    src.save_pretrained(tmp_path / "src", dtype=torch.float32)
+    other = build_reduced_vocab(token_counts(torch.arange(4096), 4096), 512, always=[0])
+    fresh = init_draft(target, "feature", [5], other)   # another vocabulary: only the head differs
+    warm_start(fresh, str(tmp_path / "src"), log=lambda *_: None)
+    for name, p in src.state_dict().items():
+        if name != "draft_to_target":
+            assert torch.equal(fresh.state_dict()[name], p), name
+    assert fresh.draft_to_target.shape == (512,)
+    with pytest.raises(ValueError, match="cannot start a layers draft"):
+        warm_start(init_draft(target, "layers", [0, 5], vocab), str(tmp_path / "src"))

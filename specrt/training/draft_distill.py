@@ -159,6 +159,8 @@ def run(args, log=print) -> dict:
         layers = choose_layers(target, store, vocab, args.num_layers, log=log)
     target_f32 = target.float()  # trainable copies are made in fp32
     draft = init_draft(target_f32, args.arch, layers, vocab, args.fc_init)
+    if args.init_from:
+        warm_start(draft, args.init_from, log)
     cfg = TrainConfig(steps=args.steps, budget_s=args.budget_min * 60, lr=args.lr, warmup=args.warmup,
                       batch_tokens=args.batch_tokens, chain_steps=args.chain_steps, seed=args.seed)
     summary = train_draft(draft, store, vocab, cfg, os.path.join(work, f"ckpt_{args.arch}.pt"), log=log)
@@ -180,6 +182,20 @@ def run(args, log=print) -> dict:
     return summary
 
 
+def warm_start(draft, folder: str, log=print) -> None:
+    """Copy an existing draft folder's layers, fc and norm into ``draft`` (same kind and depth);
+    its head stays the new vocabulary's rows of the target embedding."""
+    from specrt.models.draft_model import DraftModel
+
+    src = DraftModel.from_pretrained(folder, None)
+    if src.config.kind != draft.config.kind or len(src.layers) != len(draft.layers):
+        raise ValueError(f"--init-from {folder}: a {src.config.kind} draft of {len(src.layers)} layers cannot "
+                         f"start a {draft.config.kind} draft of {len(draft.layers)} layers")
+    state = {k: v for k, v in src.state_dict().items() if k != "draft_to_target"}
+    draft.load_state_dict(state, strict=False)
+    log(f"warm start from {folder} ({len(state)} tensors)")
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(i) for i in text.split(",")]
@@ -196,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="feature (EAGLE-style), layers (target layers), hf (the built-in pair's full-vocabulary "
                          "HF draft: specrt.training.distill's older recipe)")
     ap.add_argument("--init", choices=["layers"], default="layers", help="initialise from the target's layers")
+    ap.add_argument("--init-from", default=None,
+                    help="continue from an existing draft folder of the same kind (its layers, fc, norm)")
     ap.add_argument("--layers", default="auto", help="target layer indices 'i,j,..' or auto")
     ap.add_argument("--num-layers", type=int, default=2,
                     help="draft depth for --layers auto (a 1-layer feature draft starts from the last layer)")
