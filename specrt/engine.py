@@ -2,7 +2,8 @@
 
     scheduler.admit()                 -> batch; policy.plan -> K per request; KV slots reserved
     drafter.propose                   -> DraftProposal: draft_token_ids [B, K], draft_probs [B, K, V] | None
-    build_verify_batch; target(...)   -> logits of every request's pending token + drafts
+    build_verify_batch; target(...)   -> logits of every request's pending token + drafts (and every fed
+                                      row's hidden state for a drafter that wants it: observe_target)
     verify.accept                     -> verify_greedy / rejection_sample on the device
     host:                             ONE device->host copy of (tokens, counts); commit accepted, roll back
                                       the rest (truncate the block table, no copy); stop checks; metrics
