@@ -251,6 +251,13 @@ def test_the_feature_draft_loads_as_its_own_drafter(fdir):
     assert n is None and model.config.num_layers == 2
 
 
+def test_overlap_is_refused_with_a_reason(fdir, ar):
+    sp = llm(fdir, max_draft_length=2, overlap=True)
+    status = sp.engine.metrics.info["overlap"]
+    assert status["requested"] and not status["active"] and "hidden states" in status["note"]
+    assert tokens(sp.generate(CODE, GREEDY)) == ar
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_greedy_equals_autoregressive(fdir, ar, k):
     sp = llm(fdir, max_draft_length=k, block_size=4)
