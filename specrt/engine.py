@@ -2,7 +2,8 @@
 
     scheduler.admit()                 -> batch; policy.plan -> K per request; KV slots reserved
     drafter.propose                   -> DraftProposal: draft_token_ids [B, K], draft_probs [B, K, V] | None
-    build_verify_batch; target(...)   -> logits of every request's pending token + drafts
+    build_verify_batch; target(...)   -> logits of every request's pending token + drafts (and every fed
+                                      row's hidden state for a drafter that wants it: observe_target)
     verify.accept                     -> verify_greedy / rejection_sample on the device
     host:                             ONE device->host copy of (tokens, counts); commit accepted, roll back
                                       the rest (truncate the block table, no copy); stop checks; metrics
@@ -77,6 +78,7 @@ class LLMEngine:
                                     accept_head=self.spec.policy == "head")
         if self.drafter is not None and wrap_drafter is not None:
             self.drafter = wrap_drafter(self.drafter)
+        self._wants_hidden = bool(getattr(self.drafter, "wants_target_hidden", False))
         configs = {"target": self.target.config, **(self.drafter.cache_configs() if self.drafter else {})}
         self.max_model_len = min(c.max_model_len for c in configs.values())
         if self.spec.max_model_len:
@@ -212,8 +214,10 @@ class LLMEngine:
             vb = build_verify_batch(batch, proposal, self.kv, self.device)
             if self.drafter is not None:
                 self.drafter.mark_verify()
-            logits, _ = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
-                                    logits_indices=vb.logits_indices)                           # [R, V]
+            logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
+                                         logits_indices=vb.logits_indices, all_hidden=self._wants_hidden)  # [R, V]
+            if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
+                self.drafter.observe_target(batch, vb, hidden)
             verified = accept(vb, logits, self.spec.acceptance if self.speculative else None,
                               self.eos_token_ids)                                               # [B, K+1], [B]
             pre, pre_s = self._overlap.run(batch, ks, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream

@@ -47,6 +47,9 @@ def overlap_status(requested: bool, drafter: Drafter | None, device: torch.devic
         return status
     if drafter is None:
         status.note = "no drafter: nothing to pre-draft"
+    elif getattr(drafter, "wants_target_hidden", False) and not getattr(drafter, "supports_pre_draft", False):
+        status.note = (f"the {drafter.name} drafter reads the verification's hidden states, so it cannot draft "
+                       f"the next round before the verification: overlap does nothing")
     elif not getattr(drafter, "supports_pre_draft", False):
         status.note = (f"the {drafter.name} drafter has no model to run ahead (its proposals cost "
                        f"microseconds): overlap does nothing")

@@ -49,6 +49,8 @@ class VerifyBatch:
     controls: BatchControls | None = None                  # logit controls; None: no request has any
     logprob_rows: list[int] = field(default_factory=list)  # verified rows whose requests want logprobs
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # [P] (request b, next prompt token)
+    query_start: list[int] = field(default_factory=list)     # [B] first row in T of each request's fed tokens
+    query_position: list[int] = field(default_factory=list)  # [B] the position of that row
 
 
 class Verified(NamedTuple):
@@ -90,7 +92,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     kmax = proposal.draft_token_ids.shape[1]
     n = proposal.num_draft_tokens
     host_ids, positions, draft_dest, draft_src, logit_rows, seq_lens, query_lens = [], [], [], [], [], [], []
-    unwritten, prompt_rows, prompt_logit_rows = [], [], []
+    unwritten, prompt_rows, prompt_logit_rows, query_start, query_position = [], [], [], [], []
     for b, r in enumerate(batch):
         start, L = r.target_cached, r.context_len
         base = len(host_ids)
@@ -100,6 +102,8 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
             prompt_rows += [(b, t) for t in r.prompt_token_ids[1:]]
             prompt_logit_rows += range(base, base + L - 1)
         pending = r.token_ids[start:]
+        query_start.append(base)
+        query_position.append(start)
         host_ids += pending + [0] * n[b]
         draft_dest += range(base + len(pending), base + len(pending) + n[b])
         draft_src += range(b * kmax, b * kmax + n[b])
@@ -132,7 +136,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
         row_request=row_request, row_offset=[i for c in counts for i in range(c)],
         controls=batch_controls(batch, device),
         logprob_rows=[j for j, b in enumerate(row_request) if batch[b].params.logprobs is not None],
-        prompt_rows=prompt_rows)
+        prompt_rows=prompt_rows, query_start=query_start, query_position=query_position)
 
 
 def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_token_ids: list[int]) -> Verified:

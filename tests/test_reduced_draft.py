@@ -31,9 +31,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 DRAFT_IDS = sorted(set(range(0, VOCAB, 2)) | {EOS})
 
 
-def save_reduced_draft(target_dir: Path, out: Path, ids=DRAFT_IDS, layers=(0, 1), kind="layers") -> Path:
+def save_reduced_draft(target_dir: Path, out: Path, ids=DRAFT_IDS, layers=(0, 1), kind="layers",
+                       feature_scale: float = 0.0) -> Path:
     """A DraftModel of the target's layers ``layers`` with a head over ``ids`` (untrained: it
-    agrees with the target often, as a layer-init draft does)."""
+    agrees with the target often, as a layer-init draft does). A feature draft's fc is
+    [I, feature_scale * I]: with a scale > 0 the target's features change its proposals."""
     from specrt.models import load_model
     from specrt.training.draft_train import init_draft
     from specrt.training.vocab import ReducedVocab
@@ -41,6 +43,10 @@ def save_reduced_draft(target_dir: Path, out: Path, ids=DRAFT_IDS, layers=(0, 1)
     target = load_model(target_dir)
     vocab = ReducedVocab.from_map(torch.tensor(ids), VOCAB)
     draft = init_draft(target, kind, list(layers), vocab)
+    if kind == "feature":
+        H = target.config.hidden_size
+        with torch.no_grad():
+            draft.fc.weight.copy_(torch.cat([torch.eye(H), feature_scale * torch.eye(H)], 1))
     draft.save_pretrained(out, generation_config={"bos_token_id": 1, "eos_token_id": EOS}, dtype=torch.float32)
     return out
 
@@ -133,14 +139,16 @@ def _off_map_share_p(got: np.ndarray, first: np.ndarray, second: np.ndarray) -> 
 
 
 @pytest.mark.slow
-def test_rejection_sampling_with_a_reduced_draft_is_exact(pair, tmp_path):
+@pytest.mark.parametrize("kind", ["layers", "feature"])
+def test_rejection_sampling_with_a_reduced_draft_is_exact(pair, tmp_path, kind):
     """x1 (drafted, then accepted or resampled) follows the target's exact conditional given x0
     (chi-square), and the tokens the draft cannot propose come out exactly as often as the target
     says (binomial). A drafter whose probabilities lose the id map (draft index i reported as
     target id i, tokens sampled correctly) fails the binomial test. The draft here is all the
-    target's layers on the even ids: q is p restricted to them."""
+    target's layers on the even ids: q is p restricted to them ("layers"); the feature draft
+    (specrt.drafters.feature) also reads the target's features of the prompt it catches up over."""
     tdir, _ = pair
-    ddir = save_reduced_draft(tdir, tmp_path / "full", layers=(0, 1, 2))
+    ddir = save_reduced_draft(tdir, tmp_path / "full", layers=(0, 1, 2), kind=kind, feature_scale=0.05)
     first, second = _exact_tables(tdir)
     n = 4000
     spec = SpecConfig(max_draft_length=2, max_batch_size=256)
@@ -195,10 +203,14 @@ def test_mismatched_or_broken_folders_are_refused(pair, tmp_path):
     (empty / "config.json").write_bytes((ddir / "config.json").read_bytes())
     with pytest.raises(ValueError, match="cannot read"):
         specrt.LLM(target=str(tdir), draft=str(empty))
-    # a feature draft: not in the engine (yet)
+    # a feature draft is the FeatureDrafter's (tests/test_feature_drafter.py), never the ReducedDrafter's
+    from specrt.drafters import FeatureDrafter, ReducedDrafter
+
     feat = save_reduced_draft(tdir, tmp_path / "feat", layers=(2,), kind="feature")
+    fd = specrt.LLM(target=str(tdir), draft=str(feat)).engine.drafter
+    assert isinstance(fd, FeatureDrafter)
     with pytest.raises(ValueError, match="feature"):
-        specrt.LLM(target=str(tdir), draft=str(feat))
+        ReducedDrafter(fd.draft, fd.settings)
     # no acceptance head for policy="head"
     with pytest.raises(ValueError, match="acceptance head"):
         specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(policy="head"))

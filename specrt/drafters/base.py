@@ -9,6 +9,7 @@ each step:
     next_ks  = drafter.reserve_pre_draft(batch, proposal, next_ks)   # overlap: slots, before the verify
     drafter.mark_verify()                              # overlap: the pre-draft waits for what came before
     pre      = drafter.pre_draft(batch, ks, proposal, next_ks, stop_rules)   # overlap (model, self:N)
+    drafter.observe_target(batch, vb, hidden)          # only if wants_target_hidden: after the target forward
     held     = drafter.on_commit(request, row, proposal, pre, kept)  # per request, after verify
 
 and never asks which kind it has. Draft tokens and draft probabilities are always over the
@@ -116,6 +117,8 @@ class Drafter:
     supports_pre_draft = False   # overlap: can draft the next round while this one verifies
     reads_target_kv = False      # drafts from the target's own KV cache (self:N)
     draft_params = None          # research hook: the sampling parameters of draft rows (None: the request's)
+    wants_target_hidden = False  # the target's verify forward returns every fed row's final-normed
+                                 # hidden state, handed to observe_target (feature drafts); others pay nothing
 
     def cache_configs(self) -> dict:
         """KV caches this drafter needs beside the target's: {name: ModelConfig}."""
@@ -159,6 +162,12 @@ class Drafter:
                   stop_rules: list | None = None) -> dict[int, PreDraft]:
         """Overlap: {row: PreDraft} for rows with next_ks[row] > 0 it could pre-draft (default: none)."""
         return {}
+
+    def observe_target(self, batch, vb, hidden: torch.Tensor) -> None:
+        """Called right after the target's verify forward when ``wants_target_hidden``: ``hidden``
+        [T, H] the final-normed state of every fed row (vb: the VerifyBatch; request b's fed rows
+        start at row vb.query_start[b], position vb.query_position[b]). Rows past what the target
+        accepts are not verified yet: on_commit tells (request.target_cached)."""
 
     def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
         """After verification (request.target_cached is updated): the positions this request's

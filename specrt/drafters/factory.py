@@ -5,7 +5,8 @@
     "self:N"             the target's first N layers (specrt.drafters.self_draft)
     "builtin" / folder   a draft model (specrt.drafters.model)
     a draft folder       a reduced-vocabulary DraftModel (config.json architectures ["SpecrtDraftModel"],
-                         e.g. "smollm2-135m-draft"): specrt.drafters.reduced
+                         e.g. "smollm2-135m-draft"): specrt.drafters.reduced (kind "layers") or
+                         specrt.drafters.feature (kind "feature": EAGLE-style, reads the target's states)
 
 Adding a drafter is a new module plus a line here.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specrt.drafters.base import Drafter, DraftSettings
+from specrt.drafters.feature import FeatureDrafter
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
 from specrt.drafters.reduced import ReducedDrafter
@@ -44,7 +46,7 @@ def make_drafter(draft, target_path: Path, target, settings: DraftSettings, load
             model = load_draft_for_target(draft_path, target, load_generation_config(target_path),
                                           getattr(loader, "draft_dtype", None), settings.device,
                                           getattr(loader, "quantize", None))
-            return ReducedDrafter(model, settings)
+            return (FeatureDrafter if model.config.kind == "feature" else ReducedDrafter)(model, settings)
         check_draft_compatible(target_path, draft_path)
         model = loader(draft_path, "draft", dtype, settings.device)
         head = load_accept_head(draft_path, settings.device) if accept_head else None

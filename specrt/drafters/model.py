@@ -74,7 +74,7 @@ class ModelDrafter(Drafter):
         kmax = max(ks) if ks else 0
         if kmax == 0:
             for r in batch:            # an overlap pre-draft is for the very next step only
-                r.drafter_state = None
+                self._take_pre_draft(r)
             return DraftProposal(torch.full((B, 0), -1, dtype=torch.int32, device=dev), [0] * B, None,
                                  [r.draft_cached for r in batch])
         t0 = time.perf_counter()
@@ -129,15 +129,33 @@ class ModelDrafter(Drafter):
         if self._stream is not None:   # the main stream's next KV writes wait for a running pre-draft
             torch.cuda.current_stream(self.settings.device).wait_stream(self._stream)
 
+    def _take_pre_draft(self, r) -> PreDraft | None:
+        """Request r's overlap pre-draft, forgotten (it is for the very next step only)."""
+        pre, r.drafter_state = r.drafter_state, None
+        return pre
+
+    def _step_features(self, reqs, starts: list[int] | None, prev_hidden, sel) -> torch.Tensor | None:
+        """Extra inputs of a draft forward (feature drafts): [rows' tokens, H] or None. The first
+        forward of a step (``starts``: each row's first fed position) or a later one (``prev_hidden``
+        [previous rows, H] of the last forward, ``sel`` its rows of this one)."""
+        return None
+
+    def _run_model(self, input_ids, positions, meta, last, features):
+        """The draft network over one batch: (logits [rows, V_draft] at ``last``, hidden or None)."""
+        return self.model(self.draft_input_ids(input_ids), positions, meta, self.kv[self.cache_name],
+                          num_layers=self.num_layers, logits_indices=last,
+                          return_hidden=self.accept_head is not None)
+
     def _forward(self, reqs, input_ids: torch.Tensor, seq_lens: list[int], query_lens: list[int],
                  out_index: list[int], host_ids: list[int] | None = None, history: tuple | None = None,
-                 write: bool = True):
+                 write: bool = True, features: torch.Tensor | None = None):
         """One batched draft forward; returns (q [rows, V] f32, logits [rows, V], hidden or None) at each
         row's last position. ``host_ids``: the rows' tokens when they may recompute blocks shared
         between requests (catch-up over a target-only prefix): each shared slot is then written once.
         ``history`` (BatchControls, rows' batch indices, rows' draft offsets, drafts [B, W]): the
         logit controls, each row seeing its request's drafts before it (None: no request has any).
-        ``write`` False: the new tokens' K/V are not stored (their slots already hold them)."""
+        ``write`` False: the new tokens' K/V are not stored (their slots already hold them).
+        ``features`` [T, H]: what ``_step_features`` gave (feature drafts)."""
         dev, kv = self.settings.device, self.kv
         positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
                                  dtype=torch.int64).to(dev, non_blocking=True)
@@ -146,9 +164,7 @@ class ModelDrafter(Drafter):
                                        write=write)
         self.attended = sum(meta.seq_lens_host)
         last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
-        logits, hidden = self.model(self.draft_input_ids(input_ids), positions, meta, kv[self.cache_name],
-                                    num_layers=self.num_layers, logits_indices=last,
-                                    return_hidden=self.accept_head is not None)
+        logits, hidden = self._run_model(input_ids, positions, meta, last, features)
         logits = self.target_logits(logits)
         params = [r.params for r in reqs]
         if history is not None:      # the same controls as the target's rows (the stop rule sees them too)
@@ -179,7 +195,7 @@ class ModelDrafter(Drafter):
         stopped = [False] * B
         used = 0
         for b, r in enumerate(batch):      # requests whose overlap pre-draft is still valid
-            pre, r.drafter_state = r.drafter_state, None
+            pre = self._take_pre_draft(r)
             n = self._pre_draft_use(r, pre, ks[b], pre_length)
             if n is not None:
                 used += 1
@@ -190,6 +206,7 @@ class ModelDrafter(Drafter):
         cost = DraftCost()
         ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
+        hidden = None                   # the last draft step's hidden [rows, H] (when the model returns it)
         for j in range(kmax):
             rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
             if not rows:
@@ -201,13 +218,16 @@ class ModelDrafter(Drafter):
                 host_ids = [t for c in chunks for t in c]
                 input_ids = torch.tensor(host_ids, dtype=torch.int64).to(dev, non_blocking=True)
                 seq_lens, query_lens = [r.context_len for r in reqs], [len(c) for c in chunks]
+                features = self._step_features(reqs, [cached[b] for b in rows], None, None)
             else:
                 sel = torch.tensor([prev_rows.index(b) for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
                 input_ids = prev.index_select(0, sel).long()
                 seq_lens, query_lens = [r.context_len + j for r in reqs], [1] * len(rows)
+                features = self._step_features(reqs, None, hidden, sel)
             history = None if ctl is None else (ctl, rows, [j] * len(rows), draft_ids)   # draft j follows [:j]
             q, logits, hidden = self._forward(reqs, input_ids, seq_lens, query_lens,
-                                              [r.num_generated + j for r in reqs], host_ids, history)  # [rows, V]
+                                              [r.num_generated + j for r in reqs], host_ids, history,
+                                              features=features)  # [rows, V]
             cost.forwards += 1
             cost.tokens_fed += sum(query_lens)
             cost.attended += self.attended      # the context its forward attended (a KV window's view)

@@ -19,13 +19,14 @@ from specrt.drafters.model import ModelDrafter, module_bytes
 
 class ReducedDrafter(ModelDrafter):
     name = "reduced"
+    kind = "layers"           # the DraftModel kind it drafts with (a feature draft: FeatureDrafter)
 
     def __init__(self, draft, settings: DraftSettings):
         """``draft``: a DraftModel bound to the target (``load_draft_for_target``)."""
         cfg = draft.config
-        if cfg.kind != "layers":
-            raise ValueError(f"draft kind {cfg.kind!r} is not supported by the engine yet (only 'layers'): a "
-                             f"feature draft needs the target's hidden states from every verify")
+        if cfg.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} drafts with a {self.kind!r} draft, got kind {cfg.kind!r} "
+                             f"(specrt.drafters.make_drafter picks the drafter for a draft folder)")
         if cfg.target_vocab_size != settings.vocab_size:
             raise ValueError(f"the draft maps into a vocabulary of {cfg.target_vocab_size} tokens, the target has "
                              f"{settings.vocab_size}")

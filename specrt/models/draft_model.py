@@ -24,18 +24,19 @@ draft folder stores only its own layers, fc, norm and the id map:
     model.safetensors  [fc.weight [H, 2H]], layers.{i}.*, norm.weight, draft_to_target [N] int64
     generation_config.json   bos / eos / pad ids copied from the target
 
-Engine protocol for feature drafts (no extra target forward):
+Engine protocol for feature drafts (no extra target forward; specrt.drafters.feature):
 
-* the target's verify forward returns its final-normed hidden states for the K+1 rows it
-  scores (``return_hidden=True``); after accepting ``a`` drafts, rows 0..a (positions
-  L-1..L+a-1) are the true features of the accepted prefix;
+* the target's verify forward returns its final-normed hidden states for every row it is
+  fed (``all_hidden=True``: a prefill's prompt rows too, logits only where they are scored);
+  after accepting ``a`` drafts, rows 0..a (positions L-1..L+a-1) are the true features of
+  the accepted prefix;
 * the draft's KV cache holds true-feature keys below ``draft_cached``; a proposal first
   catches up in ONE forward over positions draft_cached..L+a (the bonus token last), fed the
   features of positions draft_cached-1..L+a-1, with ``logits_indices`` = its last row, then
   runs K-1 one-token forwards on its own returned features. Keys its own-feature steps wrote
   are overwritten by the next catch-up (``draft_cached`` = the verified length);
-* after a prefill the catch-up needs a feature for every prompt position, so the target's
-  forward must return hidden states for all rows while computing logits for the last only.
+* after a prefill the catch-up needs a feature for every prompt position (all_hidden); a
+  position whose feature the request never saw (a shared prefix block) reads zeros.
 
 Example (engine side: one draft step for every request at once)::
 

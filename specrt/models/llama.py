@@ -414,7 +414,8 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor, num_layers: int | None = None,
                 logits_indices: torch.Tensor | None = None,
                 return_hidden: bool = False,
-                inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                inputs_embeds: torch.Tensor | None = None,
+                all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a mixed batch.
 
         input_ids [T] int64 (all requests' new tokens concatenated, in request order);
@@ -423,8 +424,12 @@ class LlamaForCausalLM(nn.Module):
         num_layers: run only the first N layers + final norm + lm_head (self-speculative draft);
         logits_indices [L]: rows to compute logits for (default all T);
         inputs_embeds [T, hidden]: the residual stream entering layer 0 instead of the token
-        embeddings (feature drafts; consumed: the fused path updates it in place).
-        Returns (logits [L, V] float32, final-normed hidden [L, hidden] or None).
+        embeddings (feature drafts; consumed: the fused path updates it in place);
+        all_hidden: return the final-normed hidden of EVERY row [T, hidden] (a feature drafter reads
+        the prompt rows too), logits still only at logits_indices; the norm is per row, so the
+        logits are bit-identical either way.
+        Returns (logits [L, V] float32, final-normed hidden [L, hidden] ([T, hidden] with
+        all_hidden) or None).
         """
         cfg = self.config
         n = cfg.num_layers if num_layers is None else int(num_layers)
@@ -452,19 +457,23 @@ class LlamaForCausalLM(nn.Module):
             self.prepare()
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype, max_seq)  # [T, D] each
+        rows = None if all_hidden else logits_indices  # the rows the final norm runs on (None: all)
         if self._fused and x.dtype == self.dtype and kv_cache.dtype in ops.FUSED_DTYPES and kv_cache.is_cpu:
-            h = self._forward_fused(x, cos, sin, meta, kv_cache, n, logits_indices)  # [L, hidden]
+            h = self._forward_fused(x, cos, sin, meta, kv_cache, n, rows)  # [L or T, hidden]
         else:
             cos, sin = rope_operands(cos, sin)  # [T, 1, D] each
             layers = self.model.layers
             for i in range(n):
                 x = layers[i].forward(x, cos, sin, meta, kv_cache)
-            if logits_indices is not None:
-                x = x.index_select(0, logits_indices)
+            if rows is not None:
+                x = x.index_select(0, rows)
             norm = self.model.norm
-            h = rms_norm(x, norm.weight, norm.eps)  # [L, hidden]
+            h = rms_norm(x, norm.weight, norm.eps)  # [L or T, hidden]
+        h_all = h if all_hidden else None
+        if all_hidden and logits_indices is not None:
+            h = h.index_select(0, logits_indices)  # [L, hidden]
         logits = self._lm_head(h).float()  # [L, V]
-        return logits, (h if return_hidden else None)
+        return logits, (h_all if all_hidden else h if return_hidden else None)
 
     def _forward_fused(self, x, cos, sin, meta, kv_cache, n: int, logits_indices) -> torch.Tensor:
         """Layers 0..n-1 and the final norm on the fused CPU kernels. x [T, hidden] (the embeddings)
