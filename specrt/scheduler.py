@@ -79,6 +79,7 @@ class Request:
     accept_history: deque = field(default_factory=lambda: deque(maxlen=64))
     policy_state: RequestPolicyState = field(default_factory=RequestPolicyState)
     drafter_state: object | None = None   # the drafter's own record for this request (its type is the drafter's)
+    lookup_state: object | None = None    # a model drafter's prompt-lookup index (draft="MODEL+ngram")
     evidence_class: int | None = None     # what the drafter's current proposal rests on (n-gram: the
                                           # matched suffix length); the budget policy pools acceptance by it
     controls_state: object | None = None  # specrt.controls.ControlState: history for penalties and bans

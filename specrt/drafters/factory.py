@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specrt.drafters.base import Drafter, DraftSettings
 from specrt.drafters.feature import FeatureDrafter
+from specrt.drafters.lookup import PromptLookup
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
 from specrt.drafters.reduced import ReducedDrafter
@@ -30,6 +31,15 @@ def make_drafter(draft, target_path: Path, target, settings: DraftSettings, load
     """The drafter for ``draft`` (None: no speculation). ``accept_head``: load the acceptance head
     stored beside a draft model (policy="head"); other drafters cannot have one."""
     kind = draft if isinstance(draft, str) else None
+    if kind is not None and "+" in kind:
+        model_part, lookup = kind.rsplit("+", 1)
+        drafter = make_drafter(model_part, target_path, target, settings, loader, dtype, accept_head)
+        if not isinstance(drafter, ModelDrafter):
+            raise ValueError(f"draft={draft!r}: prompt lookup ('+ngram') goes in front of a draft model or self:N, "
+                             f"not {model_part!r}")
+        drafter.lookup = PromptLookup.parse(lookup)
+        drafter.name = f"{drafter.name}+ngram"
+        return drafter
     if draft is None or kind == "none":
         drafter = None
     elif kind is not None and kind.startswith("ngram"):

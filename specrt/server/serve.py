@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specrt serve", description="OpenAI-compatible server for specrt.")
     p.add_argument("--target-model", required=True, help="HF model folder or 'builtin'")
     p.add_argument("--draft-model", default=None,
-                   help="draft model folder, 'builtin', 'smollm2-135m-draft' (a reduced-vocabulary draft), 'ngram[:N[:M]]' "
-                        "or 'self:N' (used with --speculative-decoding)")
+                   help="draft model folder, 'builtin', 'smollm2-135m-draft' (a reduced-vocabulary draft), 'ngram[:N[:M]]', "
+                        "'self:N', or a draft model + prompt lookup 'MODEL+ngram' (used with --speculative-decoding)")
     p.add_argument("--speculative-decoding", action="store_true",
                    help="decode speculatively with the draft (without it: plain autoregressive decoding)")
     p.add_argument("--draft-length", type=int, default=None, help="draft tokens per step (K); the max for "

@@ -1,0 +1,69 @@
+"""Prompt lookup in front of a draft model (``draft="MODEL+ngram[:min[:max]]"``).
+
+Before a model drafter runs its network, each request whose context ends with an n-gram that
+occurred earlier in it takes the continuation of that occurrence as its drafts (at most its K),
+and skips the draft forwards this step. The others draft with the model as usual. Copies of
+earlier text (code edits, quoted passages, lists) are then drafted for free and often right,
+where a small draft is weakest; the model covers the rest.
+
+Exactness is unchanged: a lookup draft is a deterministic proposal, so its draft distribution
+is one-hot (q = 1 at the proposed token), which rejection sampling verifies like any other.
+The draft model's KV does not advance on a lookup step; its next proposal catches up over the
+longer tail in its one catch-up forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from specrt.drafters.ngram import NgramProposer, NgramState
+
+DEFAULT_MIN_N = 2   # a single-token match is a weak signal; the model drafts those steps
+
+
+class PromptLookup:
+    """Per-request n-gram proposals (each request's index lives in ``request.lookup_state``)."""
+
+    def __init__(self, proposer: NgramProposer):
+        self.proposer = proposer
+
+    @classmethod
+    def parse(cls, spec: str) -> "PromptLookup":
+        """``"ngram"`` (n from 2 to 4) or ``"ngram:MIN[:MAX]"``; ValueError naming the argument."""
+        name, *sizes = spec.split(":")
+        if name != "ngram" or len(sizes) > 2:
+            raise ValueError(f"draft: the lookup after '+' must be 'ngram[:min[:max]]', got {spec!r}")
+        try:
+            n = [int(s) for s in sizes]
+        except ValueError:
+            raise ValueError(f"draft: n-gram sizes must be integers, got {spec!r}") from None
+        lo = n[0] if n else DEFAULT_MIN_N
+        return cls(NgramProposer(lo, n[1] if len(n) > 1 else max(lo, 4)))
+
+    def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
+        """{row: tokens} for the rows (not ``skip``, K > 0) whose context has a match; 1..K tokens."""
+        out = {}
+        for b, r in enumerate(batch):
+            if skip[b] or ks[b] <= 0:
+                continue
+            if r.lookup_state is None:
+                r.lookup_state = NgramState()
+            prop = self.proposer.propose(r.token_ids, ks[b], r.lookup_state)
+            if prop:
+                out[b] = prop
+        return out
+
+
+def fill_lookup_rows(found: dict[int, list[int]], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> None:
+    """Write the lookup drafts into the proposal: ids [B, K] and, when the step samples, one-hot
+    draft probabilities [B, K, V]."""
+    if not found:
+        return
+    dev = draft_ids.device
+    rows = torch.tensor([b for b, p in found.items() for _ in p], dtype=torch.int64)
+    cols = torch.tensor([j for p in found.values() for j in range(len(p))], dtype=torch.int64)
+    toks = torch.tensor([t for p in found.values() for t in p], dtype=torch.int64)
+    rows, cols, toks = rows.to(dev), cols.to(dev), toks.to(dev)
+    draft_ids[rows, cols] = toks.to(torch.int32)
+    if draft_probs is not None:
+        draft_probs[rows, cols] = 0.0
+        draft_probs[rows, cols, toks] = 1.0
