@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "cpu/linear_cpu.h"
+#include "cpu/linear_dynamic.h"
 
 namespace specrt {
 namespace {
@@ -109,6 +110,19 @@ at::Tensor quant_linear_dynamic_op(const at::Tensor& x, const at::Tensor& qweigh
                                   bias_f32(bias, qweight.size(0)), parse_kind(kind_name));
 }
 
+at::Tensor interleave_quant_weight_op(const at::Tensor& qweight, const std::string& kind_name, bool inverse) {
+  const WeightKind kind = parse_kind(kind_name);
+  check_cpu(qweight, "qweight");
+  const bool q4 = kind == WeightKind::kQ4_0 || kind == WeightKind::kQ4_1;
+  TORCH_CHECK_TYPE(qweight.scalar_type() == (q4 ? at::kByte : at::kChar), "qweight must have dtype ",
+                   q4 ? "uint8" : "int8", " for kind ", kind_name, ", got ", c10::toString(qweight.scalar_type()));
+  TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, got shape ", shape_str(qweight));
+  const int B = linear::block_bytes(kind);
+  TORCH_CHECK_VALUE(qweight.size(1) % B == 0, "qweight has ", qweight.size(1), " bytes per row: kind ", kind_name,
+                    " in the interleaved order needs a multiple of ", B, " (K a multiple of 32)");
+  return interleave_quant_weight_cpu(qweight.contiguous(), kind, inverse);
+}
+
 }  // namespace
 }  // namespace specrt
 
@@ -116,6 +130,7 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
   m.def("quant_linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
+  m.def("interleave_quant_weight(Tensor qweight, str kind, bool inverse=False) -> Tensor");
   m.def("linear_dynamic_vnni() -> bool", &specrt::linear_dynamic_vnni);
   m.def("linear_isa_names() -> str[]", &specrt::linear_isa_names);
   m.def("set_linear_isa(str name) -> str", &specrt::set_linear_isa);
@@ -125,4 +140,5 @@ TORCH_LIBRARY_IMPL(specrt, CPU, m) {
   m.impl("linear", &specrt::linear_op);
   m.impl("quant_linear", &specrt::quant_linear_op);
   m.impl("quant_linear_dynamic", &specrt::quant_linear_dynamic_op);
+  m.impl("interleave_quant_weight", &specrt::interleave_quant_weight_op);
 }
