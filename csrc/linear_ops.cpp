@@ -69,11 +69,10 @@ WeightKind parse_kind(const std::string& kind) {
   return WeightKind::kF32;
 }
 
-at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
-                           const std::string& kind_name) {
+// Checks quant_linear and quant_linear_dynamic share (x already checked); returns the kind.
+WeightKind check_quant(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::string& kind_name) {
   const WeightKind kind = parse_kind(kind_name);
-  check_x(x);
   check_cpu(qweight, "qweight");
   TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, got shape ", shape_str(qweight));
   const int64_t N = qweight.size(0), K = x.size(1), G = K / linear::kGroup;
@@ -95,19 +94,29 @@ at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const
     check_exact(scales, "scales", at::kFloat, {N}, sshape.c_str());
     TORCH_CHECK_VALUE(!has_mins, "mins must be None for kind int8");
   }
-  return small_linear_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(), bias_f32(bias, N), kind);
+  return kind;
 }
 
+at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                           const std::string& kind_name) {
+  check_x(x);
+  const WeightKind kind = check_quant(x, qweight, scales, mins, kind_name);
+  const bool has_mins = mins.has_value() && mins->defined();
+  return small_linear_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(), bias_f32(bias, qweight.size(0)), kind);
+}
+
+// qweight in the interleaved order (interleave_quant_weight): same shape and dtype, not checkable here.
 at::Tensor quant_linear_dynamic_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                                    const std::string& kind_name) {
   check_x(x);
   TORCH_CHECK_VALUE(x.size(1) % linear::kGroup == 0, "x has K=", x.size(1), " input features: int8 activations ",
                     "need a multiple of ", linear::kGroup);
-  quant_linear_op(x.narrow(0, 0, 0), qweight, scales, mins, bias, kind_name);  // every other check, no work
+  const WeightKind kind = check_quant(x, qweight, scales, mins, kind_name);
   const bool has_mins = mins.has_value() && mins->defined();
   return small_linear_dynamic_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(),
-                                  bias_f32(bias, qweight.size(0)), parse_kind(kind_name));
+                                  bias_f32(bias, qweight.size(0)), kind);
 }
 
 at::Tensor interleave_quant_weight_op(const at::Tensor& qweight, const std::string& kind_name, bool inverse) {

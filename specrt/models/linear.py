@@ -142,6 +142,9 @@ def pack_projections(projections: list, model: nn.Module) -> bool:
             r = None if b is None else remap(b)
             if r is not None:
                 mod._buffers[name] = r
+    for fn in projections:
+        if isinstance(fn, QuantCall):
+            fn.refresh()  # it holds the tensors themselves
     return True
 
 
@@ -459,14 +462,40 @@ class FloatLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+class QuantCall:
+    """A quantized projection's fast call: the kernel op straight on the layer's tensors in the layout
+    they were prepared in (``policy.int8_activations``: the int8-activation op on interleaved weights),
+    else (other inputs, a changed policy, other devices) the QuantLinear's forward. ``__self__`` is the
+    layer, as for a bound method (``refresh()`` after its tensors moved: ``pack_projections``)."""
+
+    __slots__ = ("__self__", "policy", "op", "args", "fast", "dynamic")
+
+    def __init__(self, m: QuantLinear, policy: KernelPolicy):
+        m.policy = policy
+        self.__self__, self.policy = m, policy
+        self.refresh()
+
+    def refresh(self) -> None:
+        m, policy = self.__self__, self.policy
+        self.dynamic = policy.int8_activations and m.dynamic_capable
+        self.fast = m.weight.device.type == "cpu" and self.dynamic == m.interleaved
+        self.op = _QUANT_LINEAR_DYNAMIC if self.dynamic else _QUANT_LINEAR
+        self.args = (m.weight, m.weight_scale, m.weight_min, m.bias, m.kind)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, K] -> [T, N]
+        if self.fast and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.stride(-1) == 1 \
+                and self.policy.max_rows > 0 and self.dynamic == self.policy.int8_activations:
+            return self.op(x, *self.args)
+        return _quant_call(self.__self__, x)
+
+
 def prepare_linear(m: nn.Module, policy: KernelPolicy):
     """The callable a prepared model uses for projection ``m``: FloatLinear for a plain nn.Linear,
-    the QuantLinear's forward (sharing ``policy``), else the module itself (e.g. tensor-parallel)."""
+    QuantCall for a QuantLinear (sharing ``policy``), else the module itself (e.g. tensor-parallel)."""
     if type(m) is nn.Linear:
         return FloatLinear(m.weight, m.bias, policy)
     if isinstance(m, QuantLinear):
-        m.policy = policy
-        return m.forward
+        return QuantCall(m, policy)
     return m
 
 
