@@ -128,8 +128,7 @@ void run(const DynProblem& p, int64_t n0, int64_t n1) {
   if (p.M <= 2) {  // few x rows: more weight rows in flight
     for (; n + 4 <= n1; n += 4) tiles<kKind, 4>(p, n);
   }
-  for (; n + 2 <= n1; n += 2) tiles<kKind, 2>(p, n);
-  for (; n < n1; ++n) tiles<kKind, 1>(p, n);
+  for (; n < n1; ++n) tiles<kKind, 1>(p, n);  // else one at a time: no accumulator spills
 }
 
 }  // namespace
