@@ -1,15 +1,17 @@
 """specrt against its peers on SmolLM2-135M-Instruct: end-to-end decoding tokens/s, batch 1, greedy.
 
     PYTHONPATH=. python -m bench.peers [--quick] [--draft NAME ...] [--dtype bfloat16|float32]
-                                       [--target-quantize q4_1] [--new-tokens 128] [--prompts 8]
-                                       [--repeats 5] [--threads 1] [--out peers.json]
+                                       [--target-quantize q4_1 [--int8-activations]] [--new-tokens 128]
+                                       [--prompts 8] [--repeats 5] [--threads 1] [--out peers.json]
 
 Modes, all fed the same prompt token ids (held-out chat prompts rendered with the model's chat
 template), each generating exactly ``--new-tokens`` tokens (end of turn ignored):
 - specrt (``specrt.LLM``): autoregressive, the n-gram drafter, every ``--draft NAME`` (any draft
   string specrt.LLM accepts; skipped with the reason when it does not load), in ``--dtype``; with
-  ``--target-quantize KIND`` the same modes again on a weight-only quantized target. One target
-  copy per precision is shared by its modes (the ``model_loader`` hook).
+  ``--target-quantize KIND`` the same modes again on a weight-only quantized target, with
+  ``--int8-activations`` its layers taking int8 activations (llama.cpp quantizes activations to Q8
+  for its quantized weights too: the like-for-like comparison with its Q4_1 file). One target copy
+  per precision is shared by its modes (the ``model_loader`` hook).
 - llama.cpp (``llama-cpp-python``): plain decoding of the package's Q4_1 GGUF and of a float GGUF
   of the same weights (``--gguf-float``: bf16 / f16 / f32, written once into ``--cache-dir`` by
   dequantizing the Q4_1 file tensor by tensor, every metadata field copied), and its prompt-lookup
@@ -82,8 +84,8 @@ class Mode:
     greedy_ar: bool = False                     # the identity reference of its precision
 
 
-def precision_of(dtype: str, quantize: str | None) -> str:
-    return quantize or {"bfloat16": "bf16", "float32": "f32"}[dtype]
+def precision_of(dtype: str, quantize: str | None, int8_activations: bool = False) -> str:
+    return (quantize + ("-a8" if int8_activations else "")) if quantize else {"bfloat16": "bf16", "float32": "f32"}[dtype]
 
 
 def specrt_modes(args, store: dict, skipped: dict) -> list[Mode]:
@@ -92,14 +94,16 @@ def specrt_modes(args, store: dict, skipped: dict) -> list[Mode]:
 
     modes = []
     for quant in (None, args.target_quantize) if args.target_quantize else (None,):
-        prec = precision_of(args.dtype, quant)
+        a8 = bool(quant and args.int8_activations)
+        prec = precision_of(args.dtype, quant, a8)
         loader = sharing_loader(store, quant)
         for draft in [None, "ngram", *args.draft]:
             name = f"specrt {prec} " + ("AR" if draft is None else draft)
             spec = specrt.SpecConfig(max_batch_size=1, max_model_len=args.max_model_len,
                                      **({"max_draft_length": args.k} if args.k and draft else {}))
             try:
-                llm = specrt.LLM(target=args.target, draft=draft, spec=spec, dtype=args.dtype, model_loader=loader)
+                llm = specrt.LLM(target=args.target, draft=draft, spec=spec, dtype=args.dtype, model_loader=loader,
+                                 int8_activations=a8)
             except Exception as e:  # noqa: BLE001 - a draft that does not load is skipped, with the reason
                 if draft is None:
                     raise
@@ -347,7 +351,7 @@ def headline(rows: list[dict], timed: dict[str, Timed]) -> dict:
             if peer:
                 top = max(peer, key=lambda r: r["tokens_per_s"])
                 out[f"{best['mode']} vs best {fam} ({top['mode']})"] = paired(timed, best["mode"], top["mode"])
-        plain = f"llama.cpp {prec}"
+        plain = f"llama.cpp {prec.removesuffix('-a8')}"  # its Q4_1 file runs with Q8 activations
         if plain in timed:
             out[f"{best['mode']} vs {plain} plain"] = paired(timed, best["mode"], plain)
     for k, v in out.items():
@@ -379,6 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--target-quantize", default=None, metavar="KIND",
                     help="also run specrt's modes on a weight-only quantized target (e.g. q4_1)")
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="with --target-quantize: its layers take int8 activations (llama.cpp's Q8 activations)")
     ap.add_argument("--k", type=int, default=None, help="specrt's max_draft_length (default: SpecConfig's)")
     ap.add_argument("--lookup-tokens", type=int, default=10,
                     help="tokens proposed per lookup by llama.cpp's and transformers' prompt lookup")
@@ -410,6 +416,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.k is not None and args.k < 1:
         ap.error("--k must be >= 1")
+    if args.int8_activations and not args.target_quantize:
+        ap.error("--int8-activations needs --target-quantize (int8 activations run in quantized layers)")
     args.families = [f.strip() for f in args.families.split(",") if f.strip()]
     if bad := set(args.families) - {"specrt", "llama.cpp", "transformers"}:
         ap.error(f"--families: unknown {sorted(bad)} (specrt, llama.cpp, transformers)")

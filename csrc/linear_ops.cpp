@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "cpu/linear_cpu.h"
+#include "cpu/linear_dynamic.h"
 
 namespace specrt {
 namespace {
@@ -68,11 +69,10 @@ WeightKind parse_kind(const std::string& kind) {
   return WeightKind::kF32;
 }
 
-at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
-                           const std::string& kind_name) {
+// Checks quant_linear and quant_linear_dynamic share (x already checked); returns the kind.
+WeightKind check_quant(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, const std::string& kind_name) {
   const WeightKind kind = parse_kind(kind_name);
-  check_x(x);
   check_cpu(qweight, "qweight");
   TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, got shape ", shape_str(qweight));
   const int64_t N = qweight.size(0), K = x.size(1), G = K / linear::kGroup;
@@ -94,19 +94,42 @@ at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const
     check_exact(scales, "scales", at::kFloat, {N}, sshape.c_str());
     TORCH_CHECK_VALUE(!has_mins, "mins must be None for kind int8");
   }
-  return small_linear_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(), bias_f32(bias, N), kind);
+  return kind;
 }
 
+at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
+                           const std::string& kind_name) {
+  check_x(x);
+  const WeightKind kind = check_quant(x, qweight, scales, mins, kind_name);
+  const bool has_mins = mins.has_value() && mins->defined();
+  return small_linear_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(), bias_f32(bias, qweight.size(0)), kind);
+}
+
+// qweight in the interleaved order (interleave_quant_weight): same shape and dtype, not checkable here.
 at::Tensor quant_linear_dynamic_op(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                                    const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias,
                                    const std::string& kind_name) {
   check_x(x);
   TORCH_CHECK_VALUE(x.size(1) % linear::kGroup == 0, "x has K=", x.size(1), " input features: int8 activations ",
                     "need a multiple of ", linear::kGroup);
-  quant_linear_op(x.narrow(0, 0, 0), qweight, scales, mins, bias, kind_name);  // every other check, no work
+  const WeightKind kind = check_quant(x, qweight, scales, mins, kind_name);
   const bool has_mins = mins.has_value() && mins->defined();
   return small_linear_dynamic_cpu(x, qweight, scales, has_mins ? *mins : at::Tensor(),
-                                  bias_f32(bias, qweight.size(0)), parse_kind(kind_name));
+                                  bias_f32(bias, qweight.size(0)), kind);
+}
+
+at::Tensor interleave_quant_weight_op(const at::Tensor& qweight, const std::string& kind_name, bool inverse) {
+  const WeightKind kind = parse_kind(kind_name);
+  check_cpu(qweight, "qweight");
+  const bool q4 = kind == WeightKind::kQ4_0 || kind == WeightKind::kQ4_1;
+  TORCH_CHECK_TYPE(qweight.scalar_type() == (q4 ? at::kByte : at::kChar), "qweight must have dtype ",
+                   q4 ? "uint8" : "int8", " for kind ", kind_name, ", got ", c10::toString(qweight.scalar_type()));
+  TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, got shape ", shape_str(qweight));
+  const int B = linear::block_bytes(kind);
+  TORCH_CHECK_VALUE(qweight.size(1) % B == 0, "qweight has ", qweight.size(1), " bytes per row: kind ", kind_name,
+                    " in the interleaved order needs a multiple of ", B, " (K a multiple of 32)");
+  return interleave_quant_weight_cpu(qweight.contiguous(), kind, inverse);
 }
 
 }  // namespace
@@ -116,6 +139,7 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
   m.def("quant_linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
+  m.def("interleave_quant_weight(Tensor qweight, str kind, bool inverse=False) -> Tensor");
   m.def("linear_dynamic_vnni() -> bool", &specrt::linear_dynamic_vnni);
   m.def("linear_isa_names() -> str[]", &specrt::linear_isa_names);
   m.def("set_linear_isa(str name) -> str", &specrt::set_linear_isa);
@@ -125,4 +149,5 @@ TORCH_LIBRARY_IMPL(specrt, CPU, m) {
   m.impl("linear", &specrt::linear_op);
   m.impl("quant_linear", &specrt::quant_linear_op);
   m.impl("quant_linear_dynamic", &specrt::quant_linear_dynamic_op);
+  m.impl("interleave_quant_weight", &specrt::interleave_quant_weight_op);
 }

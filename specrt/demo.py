@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-only quantized target (every mode, autoregressive included)")
     p.add_argument("--draft-quantize", default=None, choices=quant,
                    help="weight-only quantized draft model (model drafters only)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="quantized layers take int8 activations, as llama.cpp's (needs --target-quantize; CPU)")
     p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (default: the target's)")
     return p
@@ -91,7 +93,8 @@ def _engines(args, pair: Pair, target: str, drafts: list[str]) -> dict:
     import specrt
 
     dtype = args.dtype or pair.dtype
-    common = dict(target=target, device=args.device, dtype=dtype, target_quantize=args.target_quantize)
+    common = dict(target=target, device=args.device, dtype=dtype, target_quantize=args.target_quantize,
+                  int8_activations=args.int8_activations)
     engines = {"autoregressive": specrt.LLM(draft=None, spec=specrt.SpecConfig(max_batch_size=1), **common)}
     for d in drafts:
         model_draft = not d.startswith(("ngram", "self:"))

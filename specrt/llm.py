@@ -18,12 +18,14 @@ class LLM:
     def __init__(self, target: str | Path = "builtin", draft: str | Path | None = None,
                  spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None,
                  tensor_parallel_size: int = 1, *, target_quantize: str | None = None,
-                 draft_quantize: str | None = None, draft_dtype=None, **engine_hooks):
-        """``target_quantize`` / ``draft_quantize`` / ``draft_dtype``: see LLMEngine (weight-only quantized
-        models that stay quantized; the draft's dtype). ``engine_hooks``: LLMEngine's keyword hooks
-        (model_loader, wrap_drafter; single process)."""
+                 draft_quantize: str | None = None, draft_dtype=None, int8_activations: bool = False,
+                 **engine_hooks):
+        """``target_quantize`` / ``draft_quantize`` / ``draft_dtype`` / ``int8_activations``: see LLMEngine
+        (weight-only quantized models that stay quantized; the draft's dtype; int8 activations in the
+        quantized layers, CPU). ``engine_hooks``: LLMEngine's keyword hooks (model_loader, wrap_drafter;
+        single process)."""
         for name, value in (("target_quantize", target_quantize), ("draft_quantize", draft_quantize),
-                            ("draft_dtype", draft_dtype)):
+                            ("draft_dtype", draft_dtype), ("int8_activations", int8_activations or None)):
             if value is not None:
                 engine_hooks[name] = value
         if tensor_parallel_size != 1 and engine_hooks:

@@ -15,6 +15,7 @@ import torch
 
 from specrt.models import load_model
 from specrt.models.linear import KINDS as QUANT_KINDS
+from specrt.models.linear import QuantLinear
 from specrt.models.loader import load_config, resolve_dtype
 from specrt.models.quant import quantize_model_
 from specrt.models.registry import BUILTIN_DIR, resolve_model
@@ -79,10 +80,31 @@ class LoadedTarget:
     draft_loader: ModelLoader           # the loader with draft_quantize / draft_dtype applied
 
 
+def check_int8_activations(int8_activations, device: torch.device) -> bool:
+    """``int8_activations`` as a bool, or a TypeError / ValueError naming the argument (a CPU mode)."""
+    if not isinstance(int8_activations, bool):
+        raise TypeError(f"int8_activations must be a bool, got {type(int8_activations).__name__}")
+    if int8_activations and device.type != "cpu":
+        raise ValueError(f"int8_activations=True is a CPU mode (AVX-512-VNNI or portable C++), got device {device}")
+    return int8_activations
+
+
+def use_int8_activations(model) -> bool:
+    """Switch a model's quantized layers to int8 activations (``set_int8_activations``); False, and
+    nothing changed, when it has no quantized layer (or is not a specrt decoder)."""
+    if not hasattr(model, "set_int8_activations") or not any(isinstance(m, QuantLinear) for m in model.modules()):
+        return False
+    model.set_int8_activations(True)
+    return True
+
+
 def load_target(target, draft, device: torch.device, dtype, loader: ModelLoader | None, target_quantize=None,
-                draft_quantize=None, draft_dtype=None) -> LoadedTarget:
+                draft_quantize=None, draft_dtype=None, int8_activations: bool = False) -> LoadedTarget:
     """Resolve and load the target (weight-only quantized if asked; quantized layers stay
-    quantized); ValueError when draft_quantize / draft_dtype are given without a draft model."""
+    quantized; with ``int8_activations`` they quantize their inputs to int8, and the target must have
+    some: ``target_quantize``, a quantized checkpoint or GGUF, or a loader that quantizes); ValueError
+    when draft_quantize / draft_dtype are given without a draft model."""
+    int8_activations = check_int8_activations(int8_activations, device)
     load = loader or default_loader
     path = resolve_model_path(target, "target")
     dtype = resolve_engine_dtype(dtype, device, path)
@@ -91,4 +113,7 @@ def load_target(target, draft, device: torch.device, dtype, loader: ModelLoader 
                                    or str(draft) == "none"):
         raise ValueError(f"draft_quantize / draft_dtype apply to a draft model, got draft={draft!r}")
     model = quantized_loader(load, check_quantize(target_quantize, "target_quantize"))(path, "target", dtype, device)
+    if int8_activations and not use_int8_activations(model):
+        raise ValueError(f"int8_activations=True needs a quantized target (target_quantize one of {QUANT_KINDS}, a "
+                         f"quantized checkpoint or GGUF file); {path.name} loaded with no quantized layer")
     return LoadedTarget(path, model, dtype, draft_load)

@@ -409,15 +409,81 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq.reshape(x.shape[0], -1), dx
 
 
+def interleave_quant_weight(qweight: torch.Tensor, kind: str, inverse: bool = False) -> torch.Tensor:
+    """ops.interleave_quant_weight: per row, each run of 16 blocks (the last may be shorter) as
+    [blocks, 4-byte steps] -> [steps, blocks] (inverse: back)."""
+    n, width = qweight.shape
+    b = QUANT_GROUP // 2 if kind in ("q4_0", "q4_1") else QUANT_GROUP  # bytes per block
+    g, steps = width // b, b // 4
+    words = qweight.contiguous().view(torch.int32).reshape(n, g * steps)
+    parts, start = [], 0
+    while start < g:
+        ng = min(16, g - start)
+        chunk = words[:, start * steps:(start + ng) * steps]
+        shape = (n, steps, ng) if inverse else (n, ng, steps)
+        parts.append(chunk.reshape(shape).transpose(1, 2).reshape(n, -1))
+        start += ng
+    return torch.cat(parts, dim=1).contiguous().view(qweight.dtype).reshape(n, width)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fl32(a * b + c) rounded once (a fused multiply-add) for float32 tensors: the product is exact in
+    float64, the sum is exact as float64 s + err (TwoSum), and the one case where rounding s to float32
+    differs from rounding s + err (s exactly halfway between two floats) is settled by err's sign."""
+    p, cd = a.double() * b.double(), c.double()
+    s = p + cd
+    bp = s - cd
+    err = (p - bp) + (cd - (s - bp))
+    r = s.float()
+    diff = s - r.double()
+    nb = torch.nextafter(r, torch.where(diff > 0, torch.full_like(r, float("inf")), torch.full_like(r, -float("inf"))))
+    tie = (diff != 0) & (diff.abs() * 2 == (nb.double() - r.double()).abs())
+    up = tie & (err != 0) & ((err > 0) == (diff > 0))
+    return torch.where(up, nb, r)
+
+
+def _tree16(acc: torch.Tensor) -> torch.Tensor:
+    """The fixed 16 -> 1 lane sum of csrc/cpu/linear_kernel.h over the last dim (float32)."""
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    return (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
+
+
 def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                          bias: torch.Tensor | None, kind: str) -> torch.Tensor:
-    """ops.quant_linear_dynamic in float64: sum over blocks of (dequantized w) . (dx * xq); x's dtype out."""
-    xq, dx = quantize_activations(x.reshape(-1, x.shape[-1]))
-    xd = (xq.double().reshape(xq.shape[0], -1, QUANT_GROUP) * dx.double()[..., None]).reshape(xq.shape)
-    w = dequantize_weight(qweight, scales, mins, kind).double()
-    y = xd @ w.t()
+    """ops.quant_linear_dynamic bit for bit (qweight in the GGUF order), in the order of
+    csrc/cpu/linear_dynamic.h: exact integer block sums P_g, then per lane l = g % 16, over g =
+    l, l + 16, ...: acc_l = fma(P_g, fl(d_g dx_g), acc_l) (int8: dx_g), q4_1 then fma(m_g, e_g, acc_l);
+    the fixed tree, the int8 row scale, + bias; x's dtype out."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, dx = quantize_activations(x2)  # [M, K], [M, G]
+    m, k = xq.shape
+    g = k // QUANT_GROUP
+    if kind == "int8":
+        wq = qweight.double()
+    elif kind == "q8_0":
+        wq = qweight.double()
+    else:
+        wq = unpack_q4(qweight).double() - (8.0 if kind == "q4_0" else 0.0)
+    n = wq.shape[0]
+    P = torch.einsum("mgk,ngk->mng", xq.double().reshape(m, g, QUANT_GROUP),
+                     wq.reshape(n, g, QUANT_GROUP)).float()  # [M, N, G] exact integers
+    sc = dx[:, None, :].expand(m, n, g) if kind == "int8" else scales.float()[None] * dx[:, None, :]
+    e = dx * xq.reshape(m, g, QUANT_GROUP).sum(-1)  # [M, G] (exact integer sums)
+    acc = torch.zeros(m, n, 16)
+    for s in range(0, g, 16):
+        ng = min(16, g - s)
+        zero = torch.zeros(m, n, 16 - ng)
+        pad = (lambda t: torch.cat((t, zero), dim=-1))
+        acc = _fma32(pad(P[..., s:s + ng]), pad(sc[..., s:s + ng]), acc)
+        if kind == "q4_1":
+            acc = _fma32(pad(mins.float()[None, :, s:s + ng].expand(m, n, ng)),
+                         pad(e[:, None, s:s + ng].expand(m, n, ng)), acc)
+    y = _tree16(acc)  # [M, N]
+    if kind == "int8":
+        y = scales.float()[None] * y
     if bias is not None:
-        y = y + bias.double()
+        y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 

@@ -510,9 +510,9 @@ def test_serve_and_demo_flags():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_int8_activations_isa_rows_and_reference(kind, xdt):
-    """quant_linear_dynamic: VNNI and portable paths agree bit for bit, rows are batch-invariant, and the
-    result equals the float64 reference of the quantized activations; its distance from the float
-    activations (quant_linear) is the activation rounding only."""
+    """quant_linear_dynamic: VNNI and portable paths agree bit for bit, rows are batch-invariant, the
+    result is reference.quant_linear_dynamic's bit for bit and near the float64 math of the quantized
+    activations; its distance from the float activations (quant_linear) is the activation rounding only."""
     for n, k in ((37, 96), (64, 576), (5, 32)):  # 96: an odd number of blocks
         q, s, mn, b = quant_args(n, k, kind, seed=n, bias=True)
         x = rand(9, k, dtype=xdt, seed=k)
@@ -527,8 +527,11 @@ def test_int8_activations_isa_rows_and_reference(kind, xdt):
             ops.set_linear_isa(prev)
         assert same_bits(y, portable)
         assert same_bits(y, torch.cat([ops.quant_linear_dynamic(x[i:i + 1], q, s, mn, b, kind) for i in range(9)]))
+        assert same_bits(y, reference.quant_linear_dynamic(x, q, s, mn, b, kind))
         keep = [0, 1, 2, 4, 5, 6, 7, 8]  # row 3's huge value would dwarf every tolerance
-        ref = reference.quant_linear_dynamic(x, q, s, mn, b, kind)[keep].float()
+        xq, dx = reference.quantize_activations(x.float())
+        xd = (xq.double().reshape(9, -1, 32) * dx.double()[..., None]).reshape(9, -1)
+        ref = (xd @ reference.dequantize_weight(q, s, mn, kind).double().t() + b.double())[keep]
         scale = ref.abs().max()
         tol = 1e-5 if xdt == torch.float32 else 1e-2
         assert (y[keep].float() - ref).abs().max() <= tol * scale
@@ -538,7 +541,8 @@ def test_int8_activations_isa_rows_and_reference(kind, xdt):
 
 def test_int8_activations_opcheck_and_errors():
     q, s, mn, b = quant_args(6, 64, "q4_1", bias=True)
-    torch.library.opcheck(torch.ops.specrt.quant_linear_dynamic.default, (rand(3, 64), q, s, mn, b, "q4_1"))
+    torch.library.opcheck(torch.ops.specrt.quant_linear_dynamic.default,
+                          (rand(3, 64), ops.interleave_quant_weight(q, "q4_1"), s, mn, b, "q4_1"))
     qi, si, _, _ = quant_args(6, 40, "int8")
     with pytest.raises(ValueError, match="int8 activations need a multiple of 32"):
         ops.quant_linear_dynamic(rand(2, 40), qi, si, None, None, "int8")

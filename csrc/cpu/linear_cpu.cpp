@@ -122,14 +122,15 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   p.M = M;
   p.N = N;
   p.K = K;
-  p.pairs = (G + 1) / 2;
-  // quantized activations in one buffer: xq [M][pairs*64] int8, dx16 / sx8 [M][pairs*16], e [M][G]
-  const int64_t lanes = M * p.pairs * 16;
-  const at::Tensor buf = at::empty({M * p.pairs * 16 + 2 * lanes + M * G}, x.options());  // 4-byte words
+  p.G = G;
+  p.S = (G + linear::kSuper - 1) / linear::kSuper;
+  // quantized activations in one buffer (4-byte words): xq [M][S*512] int8, dx / corr / e [M][S*16]
+  const int64_t lanes = M * p.S * linear::kSuper;
+  const at::Tensor buf = at::empty({lanes * 8 + 3 * lanes}, x.options());
   p.xq = reinterpret_cast<const int8_t*>(buf.data_ptr<float>());
-  p.dx16 = buf.data_ptr<float>() + M * p.pairs * 16;
-  p.sx8 = reinterpret_cast<const int32_t*>(p.dx16 + lanes);
-  p.e = p.dx16 + 2 * lanes;
+  p.dx = buf.data_ptr<float>() + lanes * 8;
+  p.corr = reinterpret_cast<const int32_t*>(p.dx + lanes);
+  p.e = p.dx + 2 * lanes;
   p.w = weight.data_ptr();
   p.kind = kind;
   p.scales = scales.data_ptr();
@@ -153,6 +154,17 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(p, b0 * kBlock, std::min(N, b1 * kBlock)); });
   return y;
+}
+
+at::Tensor interleave_quant_weight_cpu(const at::Tensor& qweight, linear::WeightKind kind, bool inverse) {
+  const int B = linear::block_bytes(kind);
+  const int64_t N = qweight.size(0), G = qweight.size(1) / B;
+  at::Tensor out = at::empty_like(qweight);
+  const auto* src = static_cast<const uint8_t*>(qweight.data_ptr());
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  at::parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, G * B)),
+                   [&](int64_t n0, int64_t n1) { linear::interleave_rows(src, dst, G, B, n0, n1, inverse); });
+  return out;
 }
 
 }  // namespace specrt

@@ -19,11 +19,13 @@ namespace specrt {
 at::Tensor small_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                             const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind);
 
-// The int8-activation mode (linear_dynamic.h): quantized weights (not kF32 / kBF16, K % 32 == 0)
-// times x quantized per row and block of 32; AVX-512-VNNI when the CPU has it (and the ISA cap
-// allows avx512), else the portable path (the same bits).
+// The int8-activation mode (linear_dynamic.h): quantized weights (not kF32 / kBF16, K % 32 == 0) in
+// the interleaved order (interleave_quant_weight_cpu) times x quantized per row and block of 32;
+// AVX-512-VNNI when the CPU has it (and the ISA cap allows avx512), else the portable path (the same bits).
 at::Tensor small_linear_dynamic_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                                     const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind);
+// A contiguous quantized weight [N, K or K/2] (K % 32 == 0) permuted into (inverse: out of) that order.
+at::Tensor interleave_quant_weight_cpu(const at::Tensor& qweight, linear::WeightKind kind, bool inverse);
 // Whether small_linear_dynamic_cpu runs on AVX-512-VNNI now.
 bool linear_dynamic_vnni();
 

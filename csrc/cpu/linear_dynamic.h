@@ -3,18 +3,27 @@
 //
 // Activations: each row of x is quantized per block g of 32 features (llama.cpp's Q8_1 idea):
 //   amax = max |x|, dx_g = amax / 127, id = dx_g ? 1 / dx_g : 0, xq = clamp(rint(x * id), -127, 127),
-//   e_g = dx_g * sum(xq of the block).
-// Weights keep their format (int8 per row, Q8_0, Q4_0, Q4_1; K % 32 == 0). Each output is
-//   int8: y = scale[n] * R(acc)   q8_0 / q4_0: y = R(acc)   q4_1: y = R(acc) + R(macc)
-// where R is the fixed 16-lane tree of linear_kernel.h and, for pair p of blocks (2p, 2p+1),
-// lane l = 8h + j (block g = 2p + h, features 4j..4j+3 of it):
-//   P = sum_t wq[4j+t] * xq[4j+t] (exact int; q4 nibbles 0..15, q4_0 then minus 8 * sum_t xq[4j+t]),
-//   acc_l = fma(float(P), s_g, acc_l), s_g = dx_g for int8, fl(d_g * dx_g) otherwise;
-// and macc_l accumulates fma(m_g, e_g, macc_l) over blocks g with g % 16 == l (q4_1's mins).
-// A block past K (odd block count) contributes fma(0, 0, acc). Integer sums are exact, so the
-// AVX-512-VNNI path (vpdpbusd) and the portable one give the same bits, for any row count,
-// tiling or thread count. Results differ from the float kernel by the activation rounding
-// (~0.5% of |y| on random data): opt-in only, never the default.
+//   S_g = sum(xq of the block) (exact int), e_g = dx_g * float(S_g).
+// Weights keep their format (int8 per row, Q8_0, Q4_0, Q4_1; K % 32 == 0) but are stored in the
+// super-block interleaved order below. Blocks are taken 16 at a time ("super-block" s: blocks
+// g = 16 s + l, l = 0..15, the last one possibly shorter); lane l of 16 owns block 16 s + l:
+//   P_g = sum over the block of wq * xq, exact in int32 (q8_0 / int8: the int8 weight; q4_0: q - 8;
+//         q4_1: the nibble q), accumulated over several vpdpbusd before any float work;
+//   acc_l = fma(float(P_g), s_g, acc_l), s_g = dx_g for int8, fl(d_g * dx_g) otherwise;
+//   q4_1 then acc_l = fma(m_g, e_g, acc_l) (its min term, same lane, right after);
+// for s = 0, 1, ...; lanes past the last block get fma(0, 0, acc_l). Each output is
+//   int8: y = scale[n] * R(acc)    q8_0 / q4_0 / q4_1: y = R(acc)
+// where R is the fixed 16-lane tree of linear_kernel.h, then + bias. Integer sums are exact, so
+// the AVX-512-VNNI path and the portable one give the same bits for any row count, tiling or
+// thread count (specrt/reference.py reproduces them in torch). Results differ from the float kernel
+// by the activation rounding (~0.5% of |y| on random data): opt-in only, never the default.
+//
+// Interleaved weight order (a permutation of each row's bytes, same shape and dtype; made once at
+// load / prepare() by ops.interleave_quant_weight): a super-block of n blocks (n = 16 except maybe
+// the last) of B bytes each (B = 16 for q4, 32 for int8 / q8_0) is stored as B/4 steps t, each
+// holding 4 bytes per block: byte (t * n + l) * 4 + c = byte 4 t + c of block l. A q4 step t's low
+// nibbles are features 4t..4t+3 of each block, its high nibbles features 16+4t..16+4t+3 (GGUF's
+// nibble order). One 64-byte vector of a full super-block thus feeds one vpdpbusd per lane-block.
 #pragma once
 
 #include <cstdint>
@@ -23,16 +32,20 @@
 
 namespace specrt::linear {
 
+constexpr int kSuper = 16;  // blocks per super-block (one per lane)
+
 struct DynProblem {
-  int64_t M = 0, N = 0, K = 0, pairs = 0;  // pairs = ceil(K / 64)
-  const int8_t* xq = nullptr;     // [M][pairs * 64] quantized x (zero padded)
-  const float* dx16 = nullptr;    // [M][pairs * 16] lane l of pair p: dx of block 2p + l / 8 (0 past K)
-  const int32_t* sx8 = nullptr;   // [M][pairs * 16] 8 * sum of xq[4j..4j+3] of that lane's block (q4_0)
-  const float* e = nullptr;       // [M][K / 32] dx * sum(xq) per block (q4_1)
-  const void* w = nullptr;        // weights as in Problem
+  int64_t M = 0, N = 0, K = 0, G = 0, S = 0;  // G = K / 32 blocks, S = ceil(G / 16) super-blocks
+  // activations, per row m and super-block s (lanes past G zero):
+  const int8_t* xq = nullptr;     // [M][S][8][16][4]: step j, lane l: xq of block 16 s + l, features 4j..4j+3
+  const float* dx = nullptr;      // [M][S * 16] dx_g
+  const int32_t* corr = nullptr;  // [M][S * 16] what P_g starts from: -128 S_g (int8 / q8_0: weights fed as
+                                  // w + 128), -8 S_g (q4_0: the nibble's offset), 0 (q4_1)
+  const float* e = nullptr;       // [M][S * 16] e_g (q4_1's min term)
+  const void* w = nullptr;        // [N][K or K/2] in the interleaved order above
   WeightKind kind = WeightKind::kInt8;
-  const void* scales = nullptr;
-  const uint16_t* mins = nullptr;
+  const void* scales = nullptr;   // int8: float [N]; else fp16 [N][G]
+  const uint16_t* mins = nullptr; // q4_1: fp16 [N][G]
   const float* bias = nullptr;
   void* y = nullptr;              // [M, N] float or bf16
   bool y_bf16 = false;
@@ -40,16 +53,28 @@ struct DynProblem {
 
 // Row m's slices of p's activation buffers (what quantize_activations* write).
 struct ActRow {
-  int8_t* q;      // [pairs * 64]
-  float* dx16;    // [pairs * 16]
-  int32_t* sx8;   // [pairs * 16]
-  float* e;       // [K / 32]
+  int8_t* q;       // [S * 512]
+  float* dx;       // [S * 16]
+  int32_t* corr;   // [S * 16]
+  float* e;        // [S * 16]
 };
 static inline ActRow act_row(const DynProblem& p, int64_t m) {
-  const int64_t lanes = p.pairs * 16;
-  return {const_cast<int8_t*>(p.xq) + m * p.pairs * 64, const_cast<float*>(p.dx16) + m * lanes,
-          const_cast<int32_t*>(p.sx8) + m * lanes, const_cast<float*>(p.e) + m * (p.K / kGroup)};
+  const int64_t lanes = p.S * kSuper;
+  return {const_cast<int8_t*>(p.xq) + m * lanes * 32, const_cast<float*>(p.dx) + m * lanes,
+          const_cast<int32_t*>(p.corr) + m * lanes, const_cast<float*>(p.e) + m * lanes};
 }
+
+// Bytes per block of a weight row (16 for q4, 32 otherwise).
+static inline int block_bytes(WeightKind kind) {
+  return kind == WeightKind::kQ4_0 || kind == WeightKind::kQ4_1 ? 16 : 32;
+}
+// Offset of byte c of step t of block g within an interleaved row of G blocks (B bytes each).
+static inline int64_t interleaved_offset(int64_t G, int B, int64_t g, int t, int c) {
+  const int64_t s = g / kSuper, n = G - s * kSuper < kSuper ? G - s * kSuper : kSuper;
+  return s * kSuper * B + (t * n + (g - s * kSuper)) * 4 + c;
+}
+// Permute rows [n0, n1) of a weight (G blocks of B bytes per row) into (or, inverse, out of) that order.
+void interleave_rows(const uint8_t* src, uint8_t* dst, int64_t G, int B, int64_t n0, int64_t n1, bool inverse);
 
 // Quantize rows [m0, m1) of x (float [M, K], rows ldx apart) into p's buffers (scalar: exact IEEE ops).
 void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1);

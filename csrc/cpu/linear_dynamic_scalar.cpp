@@ -1,7 +1,8 @@
 // The int8-activation mode of the small-M linear kernel, portable C++ (linear_dynamic.h):
-// activation quantization (used by every ISA) and the reference order of the dot products,
-// which the AVX-512-VNNI path reproduces bit for bit.
+// activation quantization (used by every ISA), the interleaved weight order, and the reference
+// order of the dot products, which the AVX-512-VNNI path reproduces bit for bit.
 #include <cmath>
+#include <cstring>
 
 #include "cpu/linear_dynamic.h"
 
@@ -10,92 +11,101 @@ namespace {
 
 #include "cpu/scalar_lanes.h"  // bits_f, h2f, tree16
 
-// weight element k of group g of row n, as the integer the dot product uses
-int32_t wq(const DynProblem& p, int64_t n, int64_t g, int k) {
-  if (p.kind == WeightKind::kInt8 || p.kind == WeightKind::kQ8_0)
-    return static_cast<const int8_t*>(p.w)[n * p.K + 32 * g + k];
-  const uint8_t b = static_cast<const uint8_t*>(p.w)[n * (p.K / 2) + 16 * g + (k & 15)];
+// The integer weight operand of feature k (0..31) of block g of row n, as the VNNI path feeds it
+// (unsigned): int8 / q8_0: w + 128 (P starts at -128 S_g to undo it); q4: the nibble 0..15.
+int32_t wu(const DynProblem& p, int64_t n, int64_t g, int k) {
+  const int B = block_bytes(p.kind);
+  const uint8_t* row = static_cast<const uint8_t*>(p.w) + n * p.G * B;
+  if (B == 32) return static_cast<int8_t>(row[interleaved_offset(p.G, B, g, k / 4, k % 4)]) + 128;
+  const uint8_t b = row[interleaved_offset(p.G, B, g, (k & 15) / 4, k % 4)];
   return k < 16 ? (b & 0xF) : (b >> 4);
+}
+
+void store(const DynProblem& p, int64_t m, int64_t n, float y) {
+  if (p.bias) y = y + p.bias[n];
+  if (!p.y_bf16) {
+    static_cast<float*>(p.y)[m * p.N + n] = y;
+    return;
+  }
+  const uint32_t u = f_bits(y);
+  static_cast<uint16_t*>(p.y)[m * p.N + n] =
+      y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 }  // namespace
 
+void interleave_rows(const uint8_t* src, uint8_t* dst, int64_t G, int B, int64_t n0, int64_t n1, bool inverse) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* s = src + n * G * B;
+    uint8_t* d = dst + n * G * B;
+    for (int64_t g = 0; g < G; ++g)
+      for (int t = 0; t < B / 4; ++t) {
+        const int64_t a = g * B + 4 * t, b = interleaved_offset(G, B, g, t, 0);
+        std::memcpy(d + (inverse ? a : b), s + (inverse ? b : a), 4);
+      }
+  }
+}
+
 void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1) {
-  const int64_t K = p.K, G = K / kGroup, row = p.pairs * 64, lanes = p.pairs * 16;
+  const int64_t G = p.G, lanes = p.S * kSuper;
+  const int shift = p.kind == WeightKind::kQ4_0 ? 3 : 7;  // corr = -(S << shift), q4_1: 0
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * ldx;
-    const auto [q, dx16, sx8, e] = act_row(p, m);
-    for (int64_t i = 0; i < lanes; ++i) {
-      dx16[i] = 0.0f;
-      sx8[i] = 0;
+    const auto [q, dx, corr, e] = act_row(p, m);
+    for (int64_t g = G; g < lanes; ++g) {  // lanes past the last block
+      dx[g] = 0.0f;
+      corr[g] = 0;
+      e[g] = 0.0f;
+      for (int k = 0; k < kGroup; ++k) q[(g / kSuper) * 512 + (k / 4) * 64 + (g % kSuper) * 4 + k % 4] = 0;
     }
-    for (int64_t i = K; i < row; ++i) q[i] = 0;
     for (int64_t g = 0; g < G; ++g) {
       float amax = 0.0f;
       for (int k = 0; k < kGroup; ++k) {
         const float a = std::fabs(xr[32 * g + k]);
         amax = a > amax ? a : amax;
       }
-      const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
       int32_t sum = 0;
       for (int k = 0; k < kGroup; ++k) {
         float v = std::nearbyint(xr[32 * g + k] * id);
         v = v != v ? 0.0f : (v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
-        q[32 * g + k] = static_cast<int8_t>(v);
+        q[(g / kSuper) * 512 + (k / 4) * 64 + (g % kSuper) * 4 + k % 4] = static_cast<int8_t>(v);
         sum += static_cast<int32_t>(v);
       }
-      e[g] = dx * static_cast<float>(sum);
-      const int64_t lane0 = (g / 2) * 16 + (g % 2) * 8;
-      for (int j = 0; j < 8; ++j) {
-        dx16[lane0 + j] = dx;
-        sx8[lane0 + j] = 8 * (q[32 * g + 4 * j] + q[32 * g + 4 * j + 1] + q[32 * g + 4 * j + 2] + q[32 * g + 4 * j + 3]);
-      }
+      dx[g] = d;
+      e[g] = d * static_cast<float>(sum);
+      corr[g] = p.kind == WeightKind::kQ4_1 ? 0 : -(sum * (1 << shift));
     }
   }
 }
 
 void dynamic_rows_scalar(const DynProblem& p, int64_t n0, int64_t n1) {
-  const int64_t K = p.K, G = K / kGroup, row = p.pairs * 64, lanes = p.pairs * 16;
+  const int64_t G = p.G;
   const uint16_t* d = static_cast<const uint16_t*>(p.scales);
+  const bool int8 = p.kind == WeightKind::kInt8, q41 = p.kind == WeightKind::kQ4_1;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < p.M; ++m) {
-      const int8_t* xq = p.xq + m * row;
-      const float* dx16 = p.dx16 + m * lanes;
-      const int32_t* sx8 = p.sx8 + m * lanes;
-      float acc[16] = {0}, macc[16] = {0};
-      for (int64_t pr = 0; pr < p.pairs; ++pr) {
-        for (int l = 0; l < 16; ++l) {
-          const int64_t g = 2 * pr + l / 8;
-          const int j = l % 8;
+      const auto [xq, dx, corr, e] = act_row(p, m);
+      float acc[16] = {0};
+      for (int64_t s = 0; s < p.S; ++s) {
+        for (int l = 0; l < kSuper; ++l) {
+          const int64_t g = s * kSuper + l;
           int32_t P = 0;
-          float dw = 0.0f;
+          float dw = 0.0f, mw = 0.0f;
           if (g < G) {
-            for (int t = 0; t < 4; ++t) P += wq(p, n, g, 4 * j + t) * xq[32 * g + 4 * j + t];
-            if (p.kind == WeightKind::kQ4_0) P -= sx8[pr * 16 + l];
-            dw = p.kind == WeightKind::kInt8 ? 0.0f : h2f(d[n * G + g]);
+            P = corr[g];
+            for (int k = 0; k < kGroup; ++k) P += wu(p, n, g, k) * xq[s * 512 + (k / 4) * 64 + l * 4 + k % 4];
+            if (!int8) dw = h2f(d[n * G + g]);
+            if (q41) mw = h2f(p.mins[n * G + g]);
           }
-          const float dx = dx16[pr * 16 + l];
-          const float s = p.kind == WeightKind::kInt8 ? dx : dw * dx;
-          acc[l] = std::fma(static_cast<float>(P), s, acc[l]);
+          const float sc = int8 ? dx[g] : dw * dx[g];
+          acc[l] = std::fma(static_cast<float>(P), sc, acc[l]);
+          if (q41) acc[l] = std::fma(mw, e[g], acc[l]);
         }
       }
       float y = tree16(acc);
-      if (p.kind == WeightKind::kQ4_1) {
-        const float* e = p.e + m * G;
-        for (int64_t g = 0; g < G; ++g) macc[g % 16] = std::fma(h2f(p.mins[n * G + g]), e[g], macc[g % 16]);
-        y = y + tree16(macc);
-      } else if (p.kind == WeightKind::kInt8) {
-        y = static_cast<const float*>(p.scales)[n] * y;
-      }
-      if (p.bias) y = y + p.bias[n];
-      if (p.y_bf16) {
-        uint32_t u;
-        __builtin_memcpy(&u, &y, 4);
-        static_cast<uint16_t*>(p.y)[m * p.N + n] =
-            y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-      } else {
-        static_cast<float*>(p.y)[m * p.N + n] = y;
-      }
+      if (int8) y = static_cast<const float*>(p.scales)[n] * y;
+      store(p, m, n, y);
     }
   }
 }

@@ -18,7 +18,9 @@ loads without changing a number::
 
 State-dict names: ``weight`` (int8 [N, K], or uint8 [N, K/2] packed nibbles for q4_*),
 ``weight_scale`` (int8: float32 [N]; else float16 [N, K/32]), ``weight_min`` (q4_1 only)
-and ``bias``. :class:`QuantEmbedding` looks token rows up in a quantized matrix (tied
+and ``bias``. With int8 activations on (``KernelPolicy.int8_activations``) a prepared model holds
+its weights permuted in place into the int8 kernel's order (``QuantLinear.set_interleaved``); the
+state dict, ``dequantize`` and ``rows`` still see the GGUF order. :class:`QuantEmbedding` looks token rows up in a quantized matrix (tied
 embeddings share the LM head's).
 """
 from __future__ import annotations
@@ -140,6 +142,9 @@ def pack_projections(projections: list, model: nn.Module) -> bool:
             r = None if b is None else remap(b)
             if r is not None:
                 mod._buffers[name] = r
+    for fn in projections:
+        if isinstance(fn, QuantCall):
+            fn.refresh()  # it holds the tensors themselves
     return True
 
 
@@ -241,6 +246,7 @@ class QuantLinear(nn.Module):
                              if kind == "q4_1" else None)
         self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False) if bias else None
         self.policy: KernelPolicy | None = None  # None: the kernel on the CPU
+        self.interleaved = False  # weight bytes in ops.interleave_quant_weight's order (set_interleaved)
 
     @classmethod
     def from_parts(cls, kind: str, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None,
@@ -257,7 +263,7 @@ class QuantLinear(nn.Module):
         k = qweight.shape[1] * (2 if kind in ("q4_0", "q4_1") else 1)
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.in_features, m.out_features, m.kind, m.policy = k, qweight.shape[0], kind, None
+        m.in_features, m.out_features, m.kind, m.policy, m.interleaved = k, qweight.shape[0], kind, None, False
         m.register_buffer("weight", qweight)
         m.register_buffer("weight_scale", scales)
         m.register_buffer("weight_min", mins)
@@ -336,17 +342,55 @@ class QuantLinear(nn.Module):
     def from_linear(cls, lin: nn.Linear, kind: str) -> "QuantLinear":
         return cls.from_float(lin.weight, kind, lin.bias)
 
+    @property
+    def dynamic_capable(self) -> bool:
+        """Whether int8 activations can run on this layer (CPU weights, K a multiple of 32)."""
+        return self.weight.device.type == "cpu" and self.in_features % GROUP == 0
+
+    def set_interleaved(self, interleaved: bool) -> None:
+        """Permute the weight's bytes in place into (True) or out of (False) the order the int8-activation
+        kernel reads (``ops.interleave_quant_weight``): done once when int8 activations are switched on, so
+        the kernel streams each weight row as is. Views of the weight (fused projections, the arena) see
+        the new order; the state dict does not. ValueError if not ``dynamic_capable``."""
+        interleaved = bool(interleaved)
+        if interleaved == self.interleaved:
+            return
+        if interleaved and not self.dynamic_capable:
+            raise ValueError(f"interleaved weights need a CPU layer with in_features divisible by {GROUP}, got "
+                             f"{self.weight.device.type} in_features={self.in_features}")
+        with torch.no_grad():
+            self.weight.copy_(ops.interleave_quant_weight(self.weight, self.kind, inverse=not interleaved))
+        self.interleaved = interleaved
+
+    def canonical_weight(self, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` (default: all rows of this layer's) in the GGUF order, whatever the layout."""
+        w = self.weight if weight is None else weight
+        return ops.interleave_quant_weight(w, self.kind, inverse=True) if self.interleaved else w
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K] this layer computes with (llama.cpp's values)."""
-        return reference.dequantize_weight(self.weight, self.weight_scale, self.weight_min, self.kind)
+        return reference.dequantize_weight(self.canonical_weight(), self.weight_scale, self.weight_min, self.kind)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows ``W[ids]`` [..., K] float32 (embedding lookup)."""
         flat = ids.reshape(-1)
         mins = None if self.weight_min is None else self.weight_min.index_select(0, flat)
-        w = reference.dequantize_weight(self.weight.index_select(0, flat), self.weight_scale.index_select(0, flat),
-                                        mins, self.kind)
+        w = reference.dequantize_weight(self.canonical_weight(self.weight.index_select(0, flat)),
+                                        self.weight_scale.index_select(0, flat), mins, self.kind)
         return w.reshape(*ids.shape, self.in_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.interleaved:  # checkpoints keep the GGUF order
+            destination[prefix + "weight"] = self.canonical_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + "weight" in state_dict and len(error_msgs) == errors:
+            self.interleaved = False  # it now holds the checkpoint's GGUF-order bytes (a model's prepare() permutes)
 
     @property
     def nbytes(self) -> int:
@@ -366,15 +410,21 @@ def _quant_call(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         xk = x2 if x2.dtype in _KERNEL_DTYPES else x2.float()
-        op = _QUANT_LINEAR_DYNAMIC if m.policy is not None and m.policy.int8_activations \
-            and m.in_features % GROUP == 0 else _QUANT_LINEAR
-        y = op(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind).to(x.dtype)
+        dynamic = m.policy is not None and m.policy.int8_activations and m.dynamic_capable
+        if dynamic == m.interleaved:  # the prepared layout: the weight as it lies
+            op = _QUANT_LINEAR_DYNAMIC if dynamic else _QUANT_LINEAR
+            y = op(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind)
+        elif dynamic:  # not prepared for it yet: a permuted copy per call
+            y = ops.quant_linear_dynamic(xk, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind)
+        else:
+            y = _QUANT_LINEAR(xk, m.canonical_weight(), m.weight_scale, m.weight_min, m.bias, m.kind)
+        y = y.to(x.dtype)
     elif m.kind == "int8" and x2.dtype in _KERNEL_DTYPES:  # torch's weight-only int8 (gpt-fast's path)
-        y = torch._weight_int8pack_mm(x2.contiguous(), m.weight, m.weight_scale.to(x2.dtype))
+        y = torch._weight_int8pack_mm(x2.contiguous(), m.canonical_weight(), m.weight_scale.to(x2.dtype))
         if m.bias is not None:
             y = y + m.bias.to(y.dtype)
     else:  # dequantize per call (GPUs; comparisons)
-        y = reference.quant_linear(x2, m.weight, m.weight_scale, m.weight_min, m.bias, m.kind)
+        y = reference.quant_linear(x2, m.canonical_weight(), m.weight_scale, m.weight_min, m.bias, m.kind)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -412,14 +462,40 @@ class FloatLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+class QuantCall:
+    """A quantized projection's fast call: the kernel op straight on the layer's tensors in the layout
+    they were prepared in (``policy.int8_activations``: the int8-activation op on interleaved weights),
+    else (other inputs, a changed policy, other devices) the QuantLinear's forward. ``__self__`` is the
+    layer, as for a bound method (``refresh()`` after its tensors moved: ``pack_projections``)."""
+
+    __slots__ = ("__self__", "policy", "op", "args", "fast", "dynamic")
+
+    def __init__(self, m: QuantLinear, policy: KernelPolicy):
+        m.policy = policy
+        self.__self__, self.policy = m, policy
+        self.refresh()
+
+    def refresh(self) -> None:
+        m, policy = self.__self__, self.policy
+        self.dynamic = policy.int8_activations and m.dynamic_capable
+        self.fast = m.weight.device.type == "cpu" and self.dynamic == m.interleaved
+        self.op = _QUANT_LINEAR_DYNAMIC if self.dynamic else _QUANT_LINEAR
+        self.args = (m.weight, m.weight_scale, m.weight_min, m.bias, m.kind)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [T, K] -> [T, N]
+        if self.fast and x.dim() == 2 and x.dtype in _KERNEL_DTYPES and x.stride(-1) == 1 \
+                and self.policy.max_rows > 0 and self.dynamic == self.policy.int8_activations:
+            return self.op(x, *self.args)
+        return _quant_call(self.__self__, x)
+
+
 def prepare_linear(m: nn.Module, policy: KernelPolicy):
     """The callable a prepared model uses for projection ``m``: FloatLinear for a plain nn.Linear,
-    the QuantLinear's forward (sharing ``policy``), else the module itself (e.g. tensor-parallel)."""
+    QuantCall for a QuantLinear (sharing ``policy``), else the module itself (e.g. tensor-parallel)."""
     if type(m) is nn.Linear:
         return FloatLinear(m.weight, m.bias, policy)
     if isinstance(m, QuantLinear):
-        m.policy = policy
-        return m.forward
+        return QuantCall(m, policy)
     return m
 
 
@@ -446,7 +522,7 @@ def fuse_linears(*mods: nn.Module, policy: KernelPolicy):
                 m.bias = nn.Parameter(b[start:start + n], requires_grad=False)
             start += n
         return FloatLinear(w, b, policy)
-    if all(type(m) is QuantLinear for m in mods) and len({(m.kind, m.in_features) for m in mods}) == 1:
+    if all(type(m) is QuantLinear for m in mods) and len({(m.kind, m.in_features, m.interleaved) for m in mods}) == 1:
         bias = None if all(m.bias is None for m in mods) else torch.cat(
             [m.bias.detach() if m.bias is not None else m.weight_scale.new_zeros(m.out_features, dtype=torch.float)
              for m in mods])
@@ -458,6 +534,7 @@ def fuse_linears(*mods: nn.Module, policy: KernelPolicy):
         else:
             fused = QuantLinear.from_parts(mods[0].kind, *[torch.cat([getattr(m, a) for m in mods]) for a in names[:2]],
                                            torch.cat([m.weight_min for m in mods]) if len(names) > 2 else None, bias)
+        fused.interleaved = mods[0].interleaved  # a row-wise permutation: concatenating rows keeps it
         start = 0
         for m in mods:
             n = m.out_features

@@ -320,6 +320,10 @@ class LlamaForCausalLM(nn.Module):
         (specrt.models.linear: the small-M kernel for decode / verify rows, torch's GEMM for prefill).
         Runs lazily at the first forward; anything that replaces parameters or modules
         (``.to()``, ``load_state_dict(assign=True)``, tensor-parallel sharding) invalidates it."""
+        dynamic = self.linear_policy.int8_activations
+        for m in self.modules():  # the int8 kernel's weight order while int8 activations are on (in place)
+            if isinstance(m, QuantLinear):
+                m.set_interleaved(dynamic and m.dynamic_capable)
         for layer in self.model.layers:
             layer.prepare(self.linear_policy)
         self._lm_head = prepare_linear(self.lm_head, self.linear_policy)
@@ -364,8 +368,10 @@ class LlamaForCausalLM(nn.Module):
         """Opt-in: quantized layers quantize their input to int8 per row and block of 32 and multiply
         in integers (``ops.quant_linear_dynamic``, AVX-512-VNNI): faster decoding of int8 / GGUF-format
         weights, at the price of the activation rounding (logits move by ~0.5%). Verify == decode
-        and batch invariance still hold; float projections are unaffected."""
+        and batch invariance still hold; float projections are unaffected. The next forward's prepare()
+        permutes the quantized weights in place into the kernel's order (or back)."""
         self.linear_policy.int8_activations = bool(enabled)
+        self._prepared = False
 
     def invalidate_prepared(self) -> None:
         """Forget the prepared fast path (fused projections, weight arena); call after replacing a

@@ -84,6 +84,11 @@ def _quant_linear_dynamic_fake(x, qweight, scales, mins, bias, kind):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
+@torch.library.register_fake("specrt::interleave_quant_weight")
+def _interleave_quant_weight_fake(qweight, kind, inverse=False):
+    return torch.empty_like(qweight, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("specrt::rms_norm")
 def _rms_norm_fake(x, weight, eps):
     return x.new_empty(x.shape)

@@ -78,15 +78,19 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
 
 
 def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                         bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+                         bias: torch.Tensor | None, kind: str, interleaved: bool = False) -> torch.Tensor:
     """quant_linear with x quantized to int8 on the fly (opt-in: changes the numerics).
 
     Each row of x is quantized per block of 32 features (``dx = max|x| / 127``, ``xq =
     rint(x / dx)``, llama.cpp's Q8_1 activations) and multiplied with the quantized weight in
-    integers (AVX-512-VNNI ``vpdpbusd`` where the CPU has it; a portable path with the same bits
-    elsewhere), scaled per block in float32 (csrc/cpu/linear_dynamic.h). Batch-invariant like
+    integers: 16 blocks at a time, one per 32-bit lane, a block's 32 products summed in int32
+    (AVX-512-VNNI ``vpdpbusd`` where the CPU has it; a portable path with the same bits elsewhere),
+    then scaled once per block in float32 (csrc/cpu/linear_dynamic.h). Batch-invariant like
     ``quant_linear``; the result differs from it by the activation rounding (~0.5% of |y| on
-    random data), so ``reference.quant_linear_dynamic`` is its oracle, not ``quant_linear``.
+    random data). ``reference.quant_linear_dynamic`` reproduces it bit for bit.
+
+    interleaved: qweight is already in the kernel's order (``interleave_quant_weight``; what
+    quantized layers hold while int8 activations are on); False permutes a copy per call.
 
     Shape: as quant_linear, with K a multiple of 32 for every kind (int8 included).
     Returns: y [..., N] in x's dtype.
@@ -97,5 +101,36 @@ def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     x2 = _quant_rows(x, kind)
     if x2.device.type != "cpu":
         raise ValueError(f"x must be on the CPU (int8 activations are a CPU mode), got {x2.device}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    if not interleaved:
+        if not isinstance(qweight, torch.Tensor):
+            raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
+        if x2.shape[-1] % 32 == 0 and qweight.dim() == 2 and qweight.device.type == "cpu" \
+                and qweight.dtype in (torch.int8, torch.uint8) and qweight.shape[1] % 16 == 0:
+            qweight = interleave_quant_weight(qweight, kind)  # else the op names what is wrong
     y = torch.ops.specrt.quant_linear_dynamic(x2, qweight, scales, mins, bias, kind)
     return _unflatten(y, x)
+
+
+def interleave_quant_weight(qweight: torch.Tensor, kind: str, inverse: bool = False) -> torch.Tensor:
+    """A quantized weight's bytes permuted within each row into the order ``quant_linear_dynamic``
+    reads (``inverse``: back to the GGUF order): 16 blocks of 32 features at a time, stored as
+    4-byte steps, one per block and step (csrc/cpu/linear_dynamic.h). Same shape and dtype.
+
+    Shape: qweight [N, K] int8 (int8, q8_0) or [N, K/2] uint8 (q4_0, q4_1), K a multiple of 32.
+    Returns: a new contiguous tensor. Non-CPU tensors take reference.interleave_quant_weight.
+
+    Example:
+        >>> w = ops.interleave_quant_weight(qweight, "q4_1")
+        >>> torch.equal(ops.interleave_quant_weight(w, "q4_1", inverse=True), qweight)
+        True
+    """
+    if kind not in QUANT_KINDS:
+        raise ValueError(f"kind must be one of {QUANT_KINDS}, got {kind!r}")
+    if not isinstance(qweight, torch.Tensor):
+        raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
+    if qweight.device.type != "cpu":
+        from specrt import reference
+        return reference.interleave_quant_weight(qweight, kind, inverse)
+    return torch.ops.specrt.interleave_quant_weight(qweight, kind, bool(inverse))

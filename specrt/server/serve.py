@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the draft model with weight-only quantized layers (~1/4 (int8) to ~1/7 (q4) of fp32)")
     p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (default: --dtype)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="quantized layers quantize their inputs to int8 per block of 32, as llama.cpp does for "
+                        "quantized weights (CPU; needs a quantized target, e.g. --target-quantize q4_1)")
     p.add_argument("--seed", type=int, default=None, help="seed for the seeds of unseeded requests")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
@@ -130,6 +133,8 @@ def engine_kwargs(args) -> dict:
     for name in ("target_quantize", "draft_quantize", "draft_dtype"):  # only when given (LLMEngine options)
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
+    if getattr(args, "int8_activations", False):
+        kw["int8_activations"] = True
     if ("draft_quantize" in kw or "draft_dtype" in kw) and (draft is None or str(draft) == "none"
                                                             or str(draft).startswith(("ngram", "self:"))):
         raise ValueError("--draft-quantize / --draft-dtype need a draft model (--speculative-decoding with "
@@ -159,7 +164,8 @@ def _build_app(args, api_key):
 
     kw = engine_kwargs(args)
     warmup_prompts = read_prompts_file(args.warmup_prompts) if args.warmup_prompts else None
-    options = {k: kw.pop(k) for k in ("target_quantize", "draft_quantize", "draft_dtype") if k in kw}
+    options = {k: kw.pop(k) for k in ("target_quantize", "draft_quantize", "draft_dtype", "int8_activations")
+               if k in kw}
     engine = built = None
     try:
         if args.tensor_parallel_size > 1:   # the server spawns its own workers: no external launcher
