@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # A unit is a top-level specrt module or subpackage ("specrt" alone: the package's lazy facade).
 LAYERS = [
     "specrt._C",            # the compiled extension (csrc/)
+    "specrt.reference_linear",   # pure torch: the linear ops' oracle (re-exported by specrt.reference)
     "specrt.reference",      # pure torch: the oracle, and the ops' fallback for non-CPU tensors
     "specrt.ops",
     "specrt.config",
