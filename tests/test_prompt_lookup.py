@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _engine_utils import VOCAB, make_pair, tokens  # noqa: E402
 from _stats import P_FAIL, P_PASS, chisquare_conditional  # noqa: E402
+from test_reduced_draft import exact_tables  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
@@ -75,30 +76,18 @@ def test_greedy_equals_autoregressive(pair, monkeypatch, draft, k, overlap):
     folder = {"model": ddir, "reduced": rdir}[draft]
     llm = specrt.LLM(target=str(tdir), draft=f"{folder}+ngram:1", seed=0, spec=SpecConfig(max_draft_length=k, overlap=overlap))
     assert llm.engine.draft_kind.endswith("+ngram")
+    drafter, marked = llm.engine.drafter, []
+    propose = drafter.propose
+
+    def recorded(*a, **kw):
+        p = propose(*a, **kw)
+        marked.append(len(p.lookup_rows))
+        return p
+    drafter.propose = recorded
     assert tokens(llm.generate(PROMPTS, GREEDY)) == ar
     assert counter.lookup > 0 and counter.model > 0          # both kinds of rows really drafted
+    assert sum(marked) == counter.lookup                     # the proposal names its lookup rows
     assert tokens(llm.generate(PROMPTS[::-1], GREEDY)) == ar[::-1]
-
-
-def _exact_tables(tdir: Path, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The target's exact p(x0 | prompt) [V] and p(x1 | prompt, x0) [V, V] at T=1, top-k 8."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32).eval()
-
-    def dist(ids):
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        top = torch.topk(logits, 8)
-        p = torch.zeros(VOCAB, dtype=torch.float64)
-        p[top.indices] = torch.softmax(top.values, -1)
-        return p.numpy()
-
-    first = dist(prompt)
-    second = np.zeros((VOCAB, VOCAB))
-    for x0 in np.nonzero(first)[0]:
-        second[x0] = dist(prompt + [int(x0)])
-    return first, second
 
 
 def _joint(llm, n: int, prompt: list[int]) -> np.ndarray:
@@ -113,7 +102,7 @@ def _joint(llm, n: int, prompt: list[int]) -> np.ndarray:
 @pytest.mark.slow
 def test_rejection_sampling_with_lookup_rows_is_exact(pair, looped, monkeypatch):
     tdir, ddir, _ = pair
-    _, second = _exact_tables(tdir, looped)
+    _, second = exact_tables(tdir, looped)
     spec = SpecConfig(max_draft_length=2, max_batch_size=256)
     counter = _Counter(monkeypatch)
     llm = specrt.LLM(target=str(tdir), draft=f"{ddir}+ngram:1", seed=0, spec=spec)
@@ -160,6 +149,5 @@ def test_overlap_does_not_pre_draft_a_lookup_row(pair):
 
     drafter.kv = KV()
     batch = [SimpleNamespace(request_id=str(i), context_len=8) for i in range(3)]
-    proposal = SimpleNamespace(num_draft_tokens=[2, 2, 2])
-    drafter._looked_up = {1}
+    proposal = SimpleNamespace(num_draft_tokens=[2, 2, 2], lookup_rows=frozenset({1}))
     assert drafter.reserve_pre_draft(batch, proposal, [3, 3, 3]) == [3, 0, 3]

@@ -107,7 +107,7 @@ def _pairs(eng, n: int, seed0: int, wrap=None) -> np.ndarray:
     return np.array([o.token_ids[:2] for o in eng.generate([PROMPTS[1]] * n, params)])
 
 
-def _exact_tables(tdir: Path) -> tuple[np.ndarray, np.ndarray]:
+def exact_tables(tdir: Path, prompt: list[int] = PROMPTS[1]) -> tuple[np.ndarray, np.ndarray]:
     """The target's exact p(x0 | prompt) [V] and p(x1 | prompt, x0) [V, V] at T=1, top-k 8."""
     from transformers import AutoModelForCausalLM
 
@@ -121,10 +121,10 @@ def _exact_tables(tdir: Path) -> tuple[np.ndarray, np.ndarray]:
         p[top.indices] = torch.softmax(top.values, -1)
         return p.numpy()
 
-    first = dist(PROMPTS[1])
+    first = dist(prompt)
     second = np.zeros((VOCAB, VOCAB))
     for x0 in np.nonzero(first)[0]:
-        second[x0] = dist(PROMPTS[1] + [int(x0)])
+        second[x0] = dist(prompt + [int(x0)])
     return first, second
 
 
@@ -149,7 +149,7 @@ def test_rejection_sampling_with_a_reduced_draft_is_exact(pair, tmp_path, kind):
     (specrt.drafters.feature) also reads the target's features of the prompt it catches up over."""
     tdir, _ = pair
     ddir = save_reduced_draft(tdir, tmp_path / "full", layers=(0, 1, 2), kind=kind, feature_scale=0.05)
-    first, second = _exact_tables(tdir)
+    first, second = exact_tables(tdir)
     n = 4000
     spec = SpecConfig(max_draft_length=2, max_batch_size=256)
     eng = specrt.LLM(target=str(tdir), draft=str(ddir), seed=0, spec=spec)

@@ -84,6 +84,7 @@ class DraftProposal:
     draft_cached: list[int] | None      # [B] positions each request's draft KV holds now; None: no KV of its own
     cost: DraftCost = field(default_factory=DraftCost)
     pre_drafts_used: int = 0            # overlap pre-drafts this proposal consumed
+    lookup_rows: frozenset[int] = frozenset()   # rows drafted by prompt lookup: their draft KV did not advance
 
 
 @dataclass

@@ -47,7 +47,6 @@ class ModelDrafter(Drafter):
         self._verify_event = None     # recorded by mark_verify: the pre-draft waits for it, not the verification
         self.attended = 0             # context positions the last draft forward attended (all rows)
         self.lookup: PromptLookup | None = None   # draft="MODEL+ngram": n-gram matches skip the model
-        self._looked_up: set[int] = set()         # rows of the last proposal drafted by the lookup
 
     # -- what the engine asks
     def cache_configs(self) -> dict:
@@ -75,7 +74,6 @@ class ModelDrafter(Drafter):
                 pre_length: PreLength | None = None) -> DraftProposal:
         B, dev = len(batch), self.settings.device
         kmax = max(ks) if ks else 0
-        self._looked_up = set()
         if kmax == 0:
             for r in batch:            # an overlap pre-draft is for the very next step only
                 self._take_pre_draft(r)
@@ -207,12 +205,12 @@ class ModelDrafter(Drafter):
                 if draft_probs is not None and pre.draft_probs is not None:
                     draft_probs[b, :n] = pre.draft_probs[:n]
                 n_draft[b], fed_until[b], stopped[b] = n, self.cached(r), True
+        found = {}
         if self.lookup is not None:        # requests whose context repeats an earlier n-gram: no forward
             found = self.lookup.propose(batch, ks, stopped)
             fill_lookup_rows(found, draft_ids, draft_probs)
             for b, prop in found.items():
                 n_draft[b], stopped[b] = len(prop), True
-            self._looked_up = set(found)
         cost = DraftCost()
         ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
@@ -253,7 +251,7 @@ class ModelDrafter(Drafter):
                     stopped[rows[i]] = True
                     n_draft[rows[i]] = j          # the unconfident token is not proposed
             prev, prev_rows = x, rows
-        return DraftProposal(draft_ids, n_draft, draft_probs, fed_until, cost, used)
+        return DraftProposal(draft_ids, n_draft, draft_probs, fed_until, cost, used, frozenset(found))
 
     @staticmethod
     def _pre_draft_use(r, pre, k: int, pre_length: PreLength | None) -> int | None:
@@ -284,7 +282,7 @@ class ModelDrafter(Drafter):
         kv, n_of = self.kv, proposal.num_draft_tokens
         out = []
         for b, r in enumerate(batch):
-            k = 0 if b in self._looked_up else next_ks[b]   # a lookup row's draft KV did not advance
+            k = 0 if b in proposal.lookup_rows else next_ks[b]   # a lookup row's draft KV did not advance
             need = r.context_len + n_of[b] + k - kv.num_tokens(r.request_id)
             ok = k > 0 and kv.append_slots(r.request_id, max(need, 0))
             out.append(k if ok else 0)
