@@ -97,8 +97,12 @@ def test_long_context_spans_many_chunks():
 
 
 # ----------------------------------------------------------------------------- invariances (bit for bit)
-def test_output_independent_of_batch_neighbours_and_query_count():
-    case = make_case(**RAGGED, window=0, seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_independent_of_batch_neighbours_and_query_count(dtype):
+    """A query's bits do not depend on its neighbours or on how many queries its request has (a
+    one-token decode takes the narrow tile, a bf16 one reading the cache in place; a 5-token
+    verify's 15 lanes the wide one)."""
+    case = make_case(**RAGGED, window=0, dtype=dtype, seed=5)
     full = case.run()
     m = case.meta
     starts = m.query_start_loc.tolist()
@@ -157,9 +161,14 @@ def test_output_independent_of_thread_count():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_instruction_set_returns_the_same_bits(dtype):
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 40, 33), (9, 3, 64, 0), (16, 2, 128, 70),
+                                                            (4, 4, 32, 5)])
+def test_every_instruction_set_returns_the_same_bits(dtype, heads, kv_heads, head_dim, window):
+    """Levels 0-3 (scalar, AVX2, AVX-512 16-wide groups, AVX-512 with narrow groups): the same bits,
+    over query counts that give every narrow group size (1..8 live lanes) and wide ones."""
     best = ops.attention_cpu_isa(-1)
-    case = make_case([300, 40, 9], [5, 3, 1], head_dim=40, window=33, dtype=dtype, seed=8)
+    case = make_case([300, 40, 9, 700, 90, 260], [5, 3, 1, 2, 4, 8], heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, window=window, dtype=dtype, seed=8)
     try:
         outs = []
         for level in range(best + 1):
@@ -167,7 +176,7 @@ def test_every_instruction_set_returns_the_same_bits(dtype):
             assert ops.attention_cpu_isa(-1) == level
             outs.append(case.run())
     finally:
-        ops.attention_cpu_isa(2)
+        ops.attention_cpu_isa(best)
     assert ops.attention_cpu_isa(-1) == best
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert (outs[0] - case.reference()).abs().max().item() <= TOL

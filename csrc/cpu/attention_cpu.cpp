@@ -9,7 +9,12 @@
 // new tokens) are "lanes": 16 lanes form a group held in one AVX-512 vector,
 // so every K/V row is loaded once per tile for all of them. The hot tile
 // update has an AVX-512 version (intrinsics) and a portable version compiled
-// twice (AVX2+FMA and baseline); all three return the same bits.
+// twice (AVX2+FMA and baseline); all three return the same bits. A group with
+// few live lanes (decode: G heads x 1 token) wastes most of a 16-lane vector,
+// so with AVX-512 groups take a "narrow" tile instead, with keys (scores) and
+// head dims (p * v) along the vector: the same operations per lane in the same
+// order, so the same bits, at a cost proportional to the live lanes (and for
+// a decode on a bf16 cache reading K and V in place, no float copy).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -22,6 +27,7 @@
 #include <vector>
 
 #include "attention_ops.h"
+#include "cpu/attention_tile.h"
 #include "specrt/attention.h"
 
 namespace specrt {
@@ -29,33 +35,9 @@ namespace {
 
 using attn::exp2_det;
 using attn::kChunkKeys;
-using attn::kLanes;
-using attn::kTileKeys;
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Up to 16 queries of one (request, kv head); buffers are transposed [D][16].
-struct LaneGroup {
-  float* qt;    // [D][16] q * qscale (padding lanes 0)
-  float* acc;   // [D][16] running sum of p * v
-  float* m;     // [16] running max (base-2 score domain)
-  float* l;     // [16] running sum of p
-  int32_t pos[kLanes];  // absolute position of each lane's query (padding lanes: a real one's)
-  int32_t min_pos, max_pos;
-};
-
-// Keys k0 .. k0+n-1 of one tile for one kv head, converted to float: key j's row is k + j * stride.
-struct Tile {
-  const float* k;
-  const float* v;
-  int64_t stride;
-  int n;
-  int32_t k0;
-};
+using namespace attn_cpu;  // LaneGroup, Tile, max_f, exp2_avx512, the narrow tile
 
 // ---------------------------------------------------------------- portable version
-// max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
-inline float max_f(float a, float b) { return a > b ? a : b; }
 
 __attribute__((always_inline)) inline void tile_portable(const Tile& t, LaneGroup& g, int D, int32_t window,
                                                          bool masked) {
@@ -160,32 +142,9 @@ SPECRT_AVX2 void convert_avx2(const void* src, int kind, int64_t n, float* dst) 
 }
 
 // ---------------------------------------------------------------- AVX-512 version
-// GCC 12's intrinsic headers trip its own -Wuninitialized (_mm512_undefined_*): silence it here.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
-
-SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-127.0f), _CMP_LT_OQ), x,
-                                         _mm512_set1_ps(-127.0f));
-  const __m512 t = _mm512_add_ps(xc, round);
-  const __m512 n = _mm512_sub_ps(t, round);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
-  bits = _mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23);
-  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
-}
 
 // Scores of NK consecutive keys (independent fma chains over d hide the latency).
 template <int NK>
@@ -272,6 +231,8 @@ SPECRT_AVX512 void convert_avx512(const void* src, int kind, int64_t n, float* d
 // ---------------------------------------------------------------- dispatch
 struct Isa {
   void (*tile)(const Tile&, LaneGroup&, int, int32_t, bool);
+  void (*narrow)(const Tile&, LaneGroup&, int, int32_t, bool);  // null: every group takes `tile`
+  void (*narrow_bf16)(const Tile&, LaneGroup&, int, int32_t, bool);  // narrow, bf16 cache read in place
   void (*combine)(const float*, int64_t, int64_t, int, float*, float*);
   void (*convert)(const void*, int, int64_t, float*);
 };
@@ -281,21 +242,23 @@ int detected_isa() {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return 2;
+      return 3;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
     return 0;
   }();
   return level;
 }
 
-std::atomic<int> g_isa_cap{2};
+std::atomic<int> g_isa_cap{3};
 
 int active_isa() { return std::min(detected_isa(), g_isa_cap.load(std::memory_order_relaxed)); }
 
 Isa isa_ops(int level) {
-  if (level >= 2) return {tile_avx512, combine_avx512, convert_avx512};
-  if (level == 1) return {tile_avx2, combine_avx2, convert_avx2};
-  return {tile_baseline, combine_baseline, convert_baseline};
+  // 3: AVX-512 with narrow groups; 2: AVX-512, every group 16 lanes wide (same bits, for tests)
+  if (level >= 3) return {tile_avx512, narrow_avx512_float, narrow_avx512_bf16, combine_avx512, convert_avx512};
+  if (level == 2) return {tile_avx512, nullptr, nullptr, combine_avx512, convert_avx512};
+  if (level == 1) return {tile_avx2, nullptr, nullptr, combine_avx2, convert_avx2};
+  return {tile_baseline, nullptr, nullptr, combine_baseline, convert_baseline};
 }
 
 // ---------------------------------------------------------------- driver
@@ -334,7 +297,7 @@ class Kernel {
     std::atomic<int64_t> next{0};
     const int64_t n = static_cast<int64_t>(items_.size());
     at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-      Scratch sc(Hkv_ * max_groups_, D_, Hkv_ * D_);
+      Scratch sc(Hkv_ * max_groups_, D_);
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(items_[i], sc);
     });
     combine_all();
@@ -347,9 +310,12 @@ class Kernel {
   struct Scratch {
     std::vector<float> buf;
     std::vector<LaneGroup> groups;  // [Hkv][max_groups]
-    float *kbuf, *vbuf;             // [kTileKeys][Hkv * D]
-    Scratch(int64_t num_groups, int D, int64_t row) : buf(num_groups * (2 * D + 2) * kLanes + 2 * kTileKeys * row),
-                                                       groups(num_groups) {
+    float *kbuf, *vbuf;             // [kTileKeys][D]: one kv head's tile
+    float* kt;                      // [kTileKeys][D]: the narrow tile's transposed keys
+    const uint16_t* rows[kTileKeys];  // a direct narrow tile's K rows (this kv head)
+    int64_t off[kTileKeys];           // and their offsets for kv head 0
+    Scratch(int64_t num_groups, int D) : buf(num_groups * (2 * D + 2) * kLanes + 3 * kTileKeys * D),
+                                         groups(num_groups) {
       float* p = buf.data();
       for (auto& g : groups) {
         g.qt = p, p += D * kLanes;
@@ -357,8 +323,9 @@ class Kernel {
         g.m = p, p += kLanes;
         g.l = p, p += kLanes;
       }
-      kbuf = p, p += kTileKeys * row;
-      vbuf = p;
+      kbuf = p, p += kTileKeys * D;
+      vbuf = p, p += kTileKeys * D;
+      kt = p;
     }
   };
 
@@ -394,6 +361,8 @@ class Kernel {
     std::fill(g.l, g.l + kLanes, 0.0f);
     g.min_pos = std::numeric_limits<int32_t>::max();
     g.max_pos = -1;
+    g.live = static_cast<int>(std::min<int64_t>(kLanes, lanes - gi * kLanes));
+    g.narrow = isa_.narrow != nullptr && g.live <= kNarrowMax && D_ % 16 == 0;
     for (int i = 0; i < kLanes; ++i) {
       const int64_t lane = std::min(gi * kLanes + i, lanes - 1);  // padding lanes repeat the last position
       const int64_t qi = lane / G_;
@@ -406,19 +375,21 @@ class Kernel {
     }
   }
 
-  // Keys [k0, k1) of request b, all kv heads, as float rows [k1 - k0][Hkv * D]. Keys of one block are
-  // contiguous in the cache: one conversion per block segment (a sequential read).
-  void load_tile(int64_t b, int64_t k0, int64_t k1, Scratch& sc) const {
+  // Keys [k0, k1) of request b, kv head h, as float rows [k1 - k0][D] (8 KB each for D = 64: the
+  // tile's K and V stay in L1 while every lane group of the head reads them).
+  void load_tile(int64_t b, int64_t h, int64_t k0, int64_t k1, Scratch& sc) const {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
     const int64_t row = Hkv_ * D_;
     const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
     const int64_t elem = a_.kv_cache.element_size();
-    for (int64_t kp = k0; kp < k1;) {
+    for (int64_t kp = k0; kp < k1;) {  // one block segment at a time
       const int64_t off = kp % bs_;
       const int64_t n = std::min(k1 - kp, bs_ - off);
-      const int64_t src = (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row;
-      isa_.convert(base + src * elem, kind_, n * row, sc.kbuf + (kp - k0) * row);
-      isa_.convert(base + (plane_ + src) * elem, kind_, n * row, sc.vbuf + (kp - k0) * row);
+      const int64_t src = (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row + h * D_;
+      for (int64_t i = 0; i < n; ++i) {
+        isa_.convert(base + (src + i * row) * elem, kind_, D_, sc.kbuf + (kp - k0 + i) * D_);
+        isa_.convert(base + (plane_ + src + i * row) * elem, kind_, D_, sc.vbuf + (kp - k0 + i) * D_);
+      }
       kp += n;
     }
   }
@@ -450,19 +421,40 @@ class Kernel {
     const int64_t key_begin = std::max(c * kChunkKeys, r.first_key);
     const int64_t key_end = std::min((c + 1) * kChunkKeys, r.seq_len);
     const int32_t window = static_cast<int32_t>(a_.window > 0 && a_.window < r.seq_len ? a_.window : 0);
+    // one narrow group per kv head (decode) on a bf16 cache: the narrow tile reads K and V in place
+    const bool direct = num_groups == 1 && sc.groups[0].narrow && isa_.narrow_bf16 != nullptr && kind_ == kBF16 &&
+                        D_ % 32 == 0;
+    const uint16_t* cache16 = static_cast<const uint16_t*>(a_.kv_cache.data_ptr());
+    const int32_t* table = a_.block_tables.data_ptr<int32_t>() + it.b * M_;
     for (int64_t t0 = key_begin - key_begin % kTileKeys; t0 < key_end; t0 += kTileKeys) {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
-      load_tile(it.b, k0, k1, sc);
       if (t0 + kTileKeys < key_end) prefetch_tile(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end));
+      if (direct) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
+        int64_t blk = k0 / bs_, o = k0 % bs_;
+        for (int64_t j = 0; j < kTileKeys; ++j) {
+          if (k0 + j >= k1) {
+            sc.off[j] = sc.off[j - 1];
+            continue;
+          }
+          sc.off[j] = (static_cast<int64_t>(table[blk]) * bs_ + o) * Hkv_ * D_;
+          if (++o == bs_) o = 0, ++blk;
+        }
+      }
       for (int64_t h = 0; h < Hkv_; ++h) {
-        const Tile tile{sc.kbuf + h * D_, sc.vbuf + h * D_, Hkv_ * D_, static_cast<int>(k1 - k0),
-                        static_cast<int32_t>(k0)};
+        Tile tile{sc.kbuf, sc.vbuf, D_, static_cast<int>(k1 - k0), static_cast<int32_t>(k0), sc.kt};
+        if (direct) {
+          for (int64_t j = 0; j < kTileKeys; ++j) sc.rows[j] = cache16 + sc.off[j] + h * D_;
+          tile.rows = sc.rows;
+          tile.vplane = plane_;
+        } else {
+          load_tile(it.b, h, k0, k1, sc);
+        }
         for (int64_t gi = 0; gi < num_groups; ++gi) {
           LaneGroup& g = sc.groups[h * num_groups + gi];
           // a tile no lane of the group can see changes nothing (see attention.h): skip it
           if (k0 > g.max_pos || (window != 0 && k1 - 1 <= g.min_pos - window)) continue;
           const bool masked = k1 - 1 > g.min_pos || (window != 0 && k0 <= g.max_pos - window);
-          isa_.tile(tile, g, D_, window, masked);
+          (g.narrow ? (direct ? isa_.narrow_bf16 : isa_.narrow) : isa_.tile)(tile, g, D_, window, masked);
         }
       }
     }
@@ -479,15 +471,17 @@ class Kernel {
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const LaneGroup& g = groups[lane / kLanes];
       const int i = lane % kLanes;
+      const float* acc = g.narrow ? g.acc + i * D_ : g.acc + i;  // [lane][D] or [D][16]
+      const int64_t step = g.narrow ? 1 : kLanes;
       if (r.num_chunks == 1) {
         float* o = out_row(r, h, lane);
-        for (int d = 0; d < D_; ++d) o[d] = g.acc[d * kLanes + i] / g.l[i];
+        for (int d = 0; d < D_; ++d) o[d] = acc[d * step] / g.l[i];
         continue;
       }
       float* p = part_ + r.part_offset + ((h * r.num_chunks + c) * lanes + lane) * (D_ + 2);
       p[0] = g.m[i];
       p[1] = g.l[i];
-      for (int d = 0; d < D_; ++d) p[2 + d] = g.acc[d * kLanes + i];
+      for (int d = 0; d < D_; ++d) p[2 + d] = acc[d * step];
     }
   }
 
@@ -529,7 +523,7 @@ void paged_attention_cpu(const PagedAttentionArgs& args) { Kernel(args).run(); }
 
 int64_t attention_cpu_isa(int64_t cap) {
   const int before = active_isa();
-  if (cap >= 0) g_isa_cap.store(static_cast<int>(std::min<int64_t>(cap, 2)), std::memory_order_relaxed);
+  if (cap >= 0) g_isa_cap.store(static_cast<int>(std::min<int64_t>(cap, 3)), std::memory_order_relaxed);
   return before;
 }
 

@@ -1,0 +1,220 @@
+// The narrow tile of the CPU paged-attention kernel (AVX-512). The driver's 16-lane tile puts a
+// group's queries along the vector, so a decode (G = 3 queries per kv head) fills 3 of 16 lanes; this
+// tile puts keys (scores: 16 keys x D transposed in registers) or head dims (p * v) along the vector
+// instead, and does per lane the same fmas, maxima, exp2s and sums in the same order as the wide tile
+// (attention_cpu.cpp), so it returns the same bits at a cost proportional to the live lanes. On a
+// bf16 cache it reads K and V in place (a bf16 pair per 32-bit element: one transpose per 32 dims).
+// Compiled with the AVX-512 target attribute, called only after the driver's run-time CPU check.
+#include "cpu/attention_tile.h"
+
+namespace specrt::attn_cpu {
+namespace {
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// Transpose 16 x 16 32-bit elements held in r (row i in r[i]); column c ends up in out[c].
+SPECRT_AVX512 inline void transpose16(__m512 (&r)[16], __m512 (&out)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (r_i[0], r_i+1[0], r_i[1], r_i+1[1]) / elements 2, 3
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + e]: element e of each 128-bit lane of rows i .. i+3
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int e = 0; e < 4; ++e) {  // gather 128-bit lane L of the four row groups: column 4 L + e
+    const __m512 x0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88), x1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 y0 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 y1 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    out[0 + e] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    out[4 + e] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    out[8 + e] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    out[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// Keys j = 0..15 (float rows `stride` apart), dims c .. c+15, as dst[d - c][j] (rows 16 floats apart).
+SPECRT_AVX512 inline void transpose_keys(const float* src, int64_t stride, float* dst) {
+  __m512 r[16], out[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride);
+  transpose16(r, out);
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * 16, out[i]);
+}
+
+// The same from bf16 rows read in place, dims c .. c+31: 16 pairs of bf16 per 32-bit element, so one
+// transpose covers 32 dims; a pair's low half is the even dim (<< 16 makes it a float), the high half
+// the odd one (its bits with the low half cleared).
+SPECRT_AVX512 inline void transpose_keys_bf16(const uint16_t* const* rows, int c, float* dst) {
+  __m512 r[16], out[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[i] + c));
+  transpose16(r, out);
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int p = 0; p < 16; ++p) {
+    const __m512i pair = _mm512_castps_si512(out[p]);
+    _mm512_storeu_ps(dst + (2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));
+    _mm512_storeu_ps(dst + (2 * p + 1) * 16, _mm512_castsi512_ps(_mm512_and_si512(pair, hi)));
+  }
+}
+
+// acc[i][c .. c+CH) = acc * alpha_i, then += p_i[j] * v_j in key order (CH 16-float chunks of D).
+template <int NL, int CH, bool kDirect>
+SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int c,
+                                    float* acc) {
+  __m512 o[NL][CH];
+  for (int i = 0; i < NL; ++i)
+    for (int x = 0; x < CH; ++x)
+      o[i][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * (c + x)), _mm512_set1_ps(alpha[i]));
+  for (int j = 0; j < t.n; ++j) {
+    const float* vj = kDirect ? nullptr : t.v + j * t.stride + 16 * c;
+    const uint16_t* vh = kDirect ? t.rows[j] + t.vplane + 16 * c : nullptr;
+    for (int x = 0; x < CH; ++x) {
+      const __m512 v = kDirect ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + 16 * x))), 16))
+                               : _mm512_loadu_ps(vj + 16 * x);
+      for (int i = 0; i < NL; ++i) o[i][x] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][j]), v, o[i][x]);
+    }
+  }
+  for (int i = 0; i < NL; ++i)
+    for (int x = 0; x < CH; ++x) _mm512_storeu_ps(acc + i * D + 16 * (c + x), o[i][x]);
+}
+
+// Scores of lanes i0 .. i0+NL-1 over the tile's keys (t.kt transposed), masked, into s[i0 + i].
+template <int NL>
+SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D, int i0, int32_t window, bool masked,
+                                        float (*s)[kTileKeys]) {
+  __m512 a[2][NL];
+  for (int i = 0; i < NL; ++i) a[0][i] = a[1][i] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(t.kt + d * 16), k1 = _mm512_loadu_ps(t.kt + (D + d) * 16);
+    for (int i = 0; i < NL; ++i) {
+      const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
+      a[0][i] = _mm512_fmadd_ps(qd, k0, a[0][i]);
+      a[1][i] = _mm512_fmadd_ps(qd, k1, a[1][i]);
+    }
+  }
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int i = 0; i < NL; ++i) {
+    for (int b = 0; b < 2; ++b) {
+      __m512 sb = a[b][i];
+      if (masked) {
+        const int32_t pos = g.pos[i0 + i];
+        const __m512i kp = _mm512_add_epi32(iota, _mm512_set1_epi32(t.k0 + 16 * b));
+        __mmask16 visible = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(pos));
+        if (window != 0) visible &= _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos - window), kp);
+        sb = _mm512_mask_blend_ps(visible, neg_inf, sb);
+      }
+      _mm512_storeu_ps(s[i0 + i] + 16 * b, sb);
+    }
+  }
+}
+
+// p * v for lanes i0 .. i0+NL-1 (NL <= 6: 4 chunks of 16 dims at a time, NL x 4 accumulators).
+template <int NL, bool kDirect>
+SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
+                                   float* acc) {
+  const int chunks = D / 16;
+  int c = 0;
+  for (; c + 4 <= chunks; c += 4) pv_narrow<NL, 4, kDirect>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
+  for (; c < chunks; ++c) pv_narrow<NL, 1, kDirect>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
+}
+
+// tile_avx512's update for lanes 0..NL-1 (D % 16 == 0): per lane the same fmas, maxima, exp2s and
+// sums in the same order, with 16 keys (scores, p) or 16 head dims (p * v) per vector.
+// kDirect: K and V read in place from a bf16 cache (t.rows; D % 32 == 0), else from t.k / t.v.
+template <int NL, bool kDirect>
+SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  alignas(64) float s[NL][kTileKeys];
+  for (int b = 0; b < 2; ++b) {  // keys 16 b .. 16 b + 15 as [D][16] (rows past t.n: stale, never used)
+    if constexpr (kDirect) {
+      for (int c = 0; c < D; c += 32) transpose_keys_bf16(t.rows + 16 * b, c, t.kt + (b * D + c) * 16);
+    } else {
+      for (int c = 0; c < D; c += 16) transpose_keys(t.k + 16 * b * t.stride + c, t.stride, t.kt + (b * D + c) * 16);
+    }
+  }
+  if constexpr (NL <= 8) {  // at most 16 score accumulators per pass
+    scores_narrow<NL>(t, g, D, 0, window, masked, s);
+  } else {
+    scores_narrow<NL / 2>(t, g, D, 0, window, masked, s);
+    scores_narrow<NL - NL / 2>(t, g, D, NL / 2, window, masked, s);
+  }
+  // running max, rescale factor and the new p: the wide tile's vector code on the lane vector. The
+  // tile max may be taken in any order: it differs from the wide tile's only in the sign of a zero
+  // (exp2 of +-0 is 1) or with a NaN score (the lane's output is NaN either way).
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  alignas(64) float mt[kLanes], m_safe[kLanes], alpha[kLanes];
+  _mm512_store_ps(mt, neg_inf);
+  const __mmask16 in0 = static_cast<__mmask16>(t.n >= 16 ? 0xFFFFu : (1u << t.n) - 1u);
+  const __mmask16 in1 = static_cast<__mmask16>(t.n >= 32 ? 0xFFFFu : t.n <= 16 ? 0u : (1u << (t.n - 16)) - 1u);
+  for (int i = 0; i < NL; ++i)
+    mt[i] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(in0, neg_inf, _mm512_loadu_ps(s[i])),
+                                               _mm512_mask_blend_ps(in1, neg_inf, _mm512_loadu_ps(s[i] + 16))));
+  const __m512 m_old = _mm512_loadu_ps(g.m);
+  const __m512 m_new = _mm512_max_ps(m_old, _mm512_load_ps(mt));
+  const __m512 m_safe_v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
+                                               _mm512_setzero_ps());
+  const __m512 alpha_v = exp2_avx512(_mm512_sub_ps(m_old, m_safe_v));
+  _mm512_storeu_ps(g.m, m_new);
+  _mm512_store_ps(m_safe, m_safe_v);
+  _mm512_store_ps(alpha, alpha_v);
+  for (int i = 0; i < NL; ++i) {
+    const __m512 ms = _mm512_set1_ps(m_safe[i]);
+    for (int b = 0; b < 2; ++b)
+      _mm512_storeu_ps(s[i] + 16 * b, exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s[i] + 16 * b), ms)));
+  }
+  float l[NL];  // l * alpha, then + p_j in key order: NL independent chains
+  for (int i = 0; i < NL; ++i) l[i] = g.l[i] * alpha[i];
+  for (int j = 0; j < t.n; ++j)
+    for (int i = 0; i < NL; ++i) l[i] = l[i] + s[i][j];
+  for (int i = 0; i < NL; ++i) g.l[i] = l[i];
+  if constexpr (NL <= 6) {  // lanes 6 at a time: each V load feeds 6 fmas
+    pv_lanes<NL, kDirect>(t, s, alpha, D, 0, g.acc);
+  } else if constexpr (NL <= 12) {
+    pv_lanes<6, kDirect>(t, s, alpha, D, 0, g.acc);
+    pv_lanes<NL - 6, kDirect>(t, s, alpha, D, 6, g.acc);
+  } else {
+    pv_lanes<6, kDirect>(t, s, alpha, D, 0, g.acc);
+    pv_lanes<6, kDirect>(t, s, alpha, D, 6, g.acc);
+    pv_lanes<NL - 12, kDirect>(t, s, alpha, D, 12, g.acc);
+  }
+}
+
+template <bool kDirect>
+SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  switch (g.live) {
+    case 1: tile_narrow<1, kDirect>(t, g, D, window, masked); break;
+    case 2: tile_narrow<2, kDirect>(t, g, D, window, masked); break;
+    case 3: tile_narrow<3, kDirect>(t, g, D, window, masked); break;
+    case 4: tile_narrow<4, kDirect>(t, g, D, window, masked); break;
+    case 5: tile_narrow<5, kDirect>(t, g, D, window, masked); break;
+    case 6: tile_narrow<6, kDirect>(t, g, D, window, masked); break;
+    case 7: tile_narrow<7, kDirect>(t, g, D, window, masked); break;
+    case 8: tile_narrow<8, kDirect>(t, g, D, window, masked); break;
+    case 9: tile_narrow<9, kDirect>(t, g, D, window, masked); break;
+    case 10: tile_narrow<10, kDirect>(t, g, D, window, masked); break;
+    case 11: tile_narrow<11, kDirect>(t, g, D, window, masked); break;
+    case 12: tile_narrow<12, kDirect>(t, g, D, window, masked); break;
+    case 13: tile_narrow<13, kDirect>(t, g, D, window, masked); break;
+    case 14: tile_narrow<14, kDirect>(t, g, D, window, masked); break;
+    case 15: tile_narrow<15, kDirect>(t, g, D, window, masked); break;
+    default: tile_narrow<16, kDirect>(t, g, D, window, masked); break;
+  }
+}
+
+#pragma GCC diagnostic pop
+
+}  // namespace
+
+void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  narrow_avx512<false>(t, g, D, window, masked);
+}
+void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  narrow_avx512<true>(t, g, D, window, masked);
+}
+
+}  // namespace specrt::attn_cpu

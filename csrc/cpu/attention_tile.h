@@ -1,0 +1,87 @@
+// csrc/cpu/attention_tile.h — what the CPU paged-attention driver (attention_cpu.cpp) and its
+// narrow AVX-512 tile (attention_narrow.cpp) share: a lane group's state, a tile of keys, and the
+// vector exp2 of specrt/attention.h. Internal to the CPU kernel.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "specrt/attention.h"
+
+namespace specrt::attn_cpu {
+
+using attn::kLanes;
+using attn::kTileKeys;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Up to 16 queries of one (request, kv head); buffers are transposed [D][16].
+struct LaneGroup {
+  float* qt;    // [D][16] q * qscale (padding lanes 0)
+  float* acc;   // [D][16] running sum of p * v ([16][D] in a narrow group)
+  float* m;     // [16] running max (base-2 score domain)
+  float* l;     // [16] running sum of p
+  int32_t pos[kLanes];  // absolute position of each lane's query (padding lanes: a real one's)
+  int32_t min_pos, max_pos;
+  int live;     // lanes holding a real query (1..16)
+  bool narrow;  // computed by the narrow tile (acc layout [lane][D])
+};
+
+// Keys k0 .. k0+n-1 of one tile for one kv head, converted to float: key j's row is k + j * stride.
+struct Tile {
+  const float* k;
+  const float* v;
+  int64_t stride;
+  int n;
+  int32_t k0;
+  float* kt;  // scratch [2][D][16] for the narrow tile's transposed keys
+  // narrow tile on a bf16 cache, read in place (k, v unused): key j's K row of this kv head; its V row
+  // is vplane elements further (rows past n repeat row n - 1)
+  const uint16_t* const* rows = nullptr;
+  int64_t vplane = 0;
+};
+
+// max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
+inline float max_f(float a, float b) { return a > b ? a : b; }
+
+#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+// GCC 12's intrinsic headers trip its own -Wuninitialized (_mm512_undefined_*): silence it here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// attn::exp2_det on 16 lanes (the same operations, so the same bits).
+SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  const __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-127.0f), _CMP_LT_OQ), x,
+                                         _mm512_set1_ps(-127.0f));
+  const __m512 t = _mm512_add_ps(xc, round);
+  const __m512 n = _mm512_sub_ps(t, round);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
+  bits = _mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23);
+  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
+}
+#pragma GCC diagnostic pop
+
+// Groups of up to this many live lanes take the narrow tile (with AVX-512): every group, as it
+// measured faster at 1..16 lanes (bench/README.md, paged attention).
+constexpr int kNarrowMax = 16;
+
+// The narrow tile update of a group (D % 16 == 0), from the float tile t.k / t.v, or (bf16: D % 32 ==
+// 0) from the bf16 cache rows t.rows read in place. Call only where AVX-512 F/BW/VL is available.
+void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+
+}  // namespace specrt::attn_cpu
