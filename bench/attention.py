@@ -67,6 +67,7 @@ class AttentionRow:
     kv_mb: float           # KV bytes the step reads
     floor_ms: float        # kv bytes / copy bandwidth
     kernel_vs_floor: float
+    wide_ms: float | None = None  # the kernel with every lane group 16 wide (ISA level 2; CPU AVX-512 only)
 
 
 @dataclass
@@ -102,9 +103,11 @@ def copy_bandwidth(reps: int = 9, device: str = "cpu") -> float:
     return src.numel() * src.element_size() / min(times)
 
 
-def paged_context(batch: int, context: int, layers: int, dtype, seed: int = 0, device: str = "cpu"):
+def paged_context(batch: int, context: int, layers: int, dtype, seed: int = 0, device: str = "cpu",
+                  queries: int = QUERIES):
     """A [layers, 2, blocks, 16, 3, 64] cache with random contents, shuffled block tables, and the
-    metadata of a verify step: every request has `context` tokens, the last QUERIES new."""
+    metadata of a verify step (queries = 1: a decode step): every request has `context` tokens, the
+    last `queries` new."""
     g = torch.Generator(device=device).manual_seed(seed)
     per = -(-context // BLOCK)
     blocks = batch * per
@@ -113,7 +116,7 @@ def paged_context(batch: int, context: int, layers: int, dtype, seed: int = 0, d
         cache[layer].copy_(torch.randn(cache.shape[1:], generator=g, device=device))
     tables_g = g if device == "cpu" else torch.Generator().manual_seed(seed)
     tables = torch.randperm(blocks, generator=tables_g).view(batch, per).tolist()
-    meta = AttentionMetadata.build([context] * batch, [QUERIES] * batch, tables, BLOCK, device)
+    meta = AttentionMetadata.build([context] * batch, [queries] * batch, tables, BLOCK, device)
     return cache, meta
 
 
@@ -128,28 +131,40 @@ def time_step(fn, layers: int, device: str = "cpu") -> tuple[float, float]:
 
 
 def bench_attention(threads: int, batch: int, context: int, layers: int, reps: int, bandwidth: float,
-                    dtype=torch.bfloat16, device: str = "cpu") -> AttentionRow:
-    cache, meta = paged_context(batch, context, layers, dtype, device=device)
+                    dtype=torch.bfloat16, device: str = "cpu", queries: int = QUERIES) -> AttentionRow:
+    cache, meta = paged_context(batch, context, layers, dtype, device=device, queries=queries)
     g = torch.Generator().manual_seed(1)
-    q = torch.randn(batch * QUERIES, HEADS, HEAD_DIM, generator=g).to(device)
-    kv = torch.zeros(batch * QUERIES, KV_HEADS, HEAD_DIM, device=device)  # read by fresh prefills only: none here
+    q = torch.randn(batch * queries, HEADS, HEAD_DIM, generator=g).to(device)
+    kv = torch.zeros(batch * queries, KV_HEADS, HEAD_DIM, device=device)  # read by fresh prefills only: none here
     scale = HEAD_DIM ** -0.5
 
     def kernel(layer):
         return ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0,
-                                   QUERIES, context)
+                                   queries, context)
 
     def sdpa(layer):
         return paged_attention_sdpa(q, kv, kv, cache[layer], meta, scale, None)
 
+    level = ops.attention_cpu_isa(-1) if device == "cpu" else 0
+
+    def wide(layer):  # the same kernel without its narrow tile (same bits): what the narrow tile saves
+        ops.attention_cpu_isa(2)
+        try:
+            return kernel(layer)
+        finally:
+            ops.attention_cpu_isa(level)
+
     diff = (kernel(0) - sdpa(0)).abs().max().item()
     tol = 1e-5 if device == "cpu" else 1e-3   # CUDA SDPA backends round differently
     assert diff < tol, f"kernel and gather + SDPA disagree by {diff}"
-    ks, kcpu, ss, ratios = [], [], [], []
+    ks, kcpu, ss, ratios, ws = [], [], [], [], []
+    fns = {"kernel": kernel, "sdpa": sdpa, **({"wide": wide} if level >= 3 else {})}
     for r in range(reps):  # alternate, in an order that flips every repeat
         pair = {}
-        for name in (("kernel", "sdpa") if r % 2 == 0 else ("sdpa", "kernel")):
-            pair[name] = time_step(kernel if name == "kernel" else sdpa, layers, device)
+        for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            pair[name] = time_step(fns[name], layers, device)
+        if "wide" in pair:
+            ws.append(pair["wide"][0])
         ks.append(pair["kernel"][0])
         kcpu.append(pair["kernel"][1])
         ss.append(pair["sdpa"][0])
@@ -159,7 +174,8 @@ def bench_attention(threads: int, batch: int, context: int, layers: int, reps: i
     floor_ms = kv_bytes / bandwidth * 1e3
     return AttentionRow(threads, batch, context, k_ms, statistics.median(kcpu) * 1e3, statistics.median(ss) * 1e3,
                         statistics.median(ratios),
-                        min(ratios), max(ratios), kv_bytes / 1e6, floor_ms, k_ms / floor_ms)
+                        min(ratios), max(ratios), kv_bytes / 1e6, floor_ms, k_ms / floor_ms,
+                        statistics.median(ws) * 1e3 if ws else None)
 
 
 GOAL_RATIO = 2.0   # issue 18: the kernel at least twice as fast as the gather + SDPA path
@@ -205,13 +221,13 @@ def smollm2_shaped(seed: int = 0) -> LlamaForCausalLM:
 
 
 def bench_forward(model, threads: int, batch: int, contexts: tuple[int, int], reps: int,
-                  bandwidth: float) -> list[ForwardRow]:
-    """Verify forward (batch x QUERIES tokens) over `contexts[0]` and `contexts[1]` tokens of context."""
+                  bandwidth: float, queries: int = QUERIES) -> list[ForwardRow]:
+    """Verify forward (batch x queries tokens) over `contexts[0]` and `contexts[1]` tokens of context."""
     steps = {}
     for context in contexts:
-        cache, meta = paged_context(batch, context, LAYERS, torch.bfloat16, seed=context)
-        ids = torch.randint(0, SMOLLM2["vocab_size"], (batch * QUERIES,))
-        pos = torch.arange(context - QUERIES, context).repeat(batch)
+        cache, meta = paged_context(batch, context, LAYERS, torch.bfloat16, seed=context, queries=queries)
+        ids = torch.randint(0, SMOLLM2["vocab_size"], (batch * queries,))
+        pos = torch.arange(context - queries, context).repeat(batch)
         steps[context] = (ids, pos, meta, cache)
     rows = []
     times = {(b, c): [] for b in ("kernel", "sdpa") for c in contexts}
@@ -243,6 +259,8 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="4096,8192")
     ap.add_argument("--layers", type=int, default=LAYERS, help="layers per attention step (each its own cache)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--queries", type=int, default=QUERIES,
+                    help="new tokens per request: 5 = a K=4 verify step (the default), 1 = a decode step")
     ap.add_argument("--quick", action="store_true", help="6 layers, 3 repeats, no forward section")
     ap.add_argument("--no-forward", action="store_true")
     ap.add_argument("--json", help="write the rows here")
@@ -253,8 +271,9 @@ def main(argv=None) -> None:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     load0 = os.getloadavg()
-    print(f"paged attention, SmolLM2 shapes (H={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}), bf16 cache, K=4 "
-          f"({QUERIES} queries/request), {args.layers} layers/step, {args.reps} repeats; "
+    step = "decode" if args.queries == 1 else f"K={args.queries - 1} verify"
+    print(f"paged attention, SmolLM2 shapes (H={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}), bf16 cache, {step} "
+          f"({args.queries} queries/request), {args.layers} layers/step, {args.reps} repeats; "
           f"CPU ISA level {ops.attention_cpu_isa(-1)}; load average {load0[0]:.1f}")
     att_rows, fwd_rows, bandwidths = [], [], {}
     model = None if args.no_forward else smollm2_shaped()
@@ -263,21 +282,22 @@ def main(argv=None) -> None:
         bw = bandwidths[n] = copy_bandwidth()
         print(f"\n-- {n} thread(s): copy bandwidth {bw / 1e9:.1f} GB/s (bytes read per second, best of 9)")
         print(f"{'batch':>5} {'context':>7} {'kernel ms':>10} {'(cpu ms)':>9} {'sdpa ms':>10} {'sdpa/kernel':>12} "
-              f"{'(min..max)':>13} {'KV MB':>7} {'floor ms':>9} {'kernel/floor':>12}")
+              f"{'(min..max)':>13} {'KV MB':>7} {'floor ms':>9} {'kernel/floor':>12} {'16-wide ms':>11}")
         for b in batches:
             for c in contexts:
-                row = bench_attention(n, b, c, args.layers, args.reps, bw)
+                row = bench_attention(n, b, c, args.layers, args.reps, bw, queries=args.queries)
                 att_rows.append(row)
                 goal = "ok" if row.ratio >= GOAL_RATIO else f"MISSED (goal >= {GOAL_RATIO:g})"
                 print(f"{b:>5} {c:>7} {row.kernel_ms:>10.2f} {row.kernel_cpu_ms:>9.1f} {row.sdpa_ms:>10.1f} "
                       f"{row.ratio:>11.1f}x "
                       f"{row.ratio_min:>5.1f}..{row.ratio_max:<6.1f} {row.kv_mb:>7.1f} {row.floor_ms:>9.2f} "
-                      f"{row.kernel_vs_floor:>11.2f}x  {goal}")
+                      f"{row.kernel_vs_floor:>11.2f}x "
+                      f"{'-' if row.wide_ms is None else f'{row.wide_ms:.2f}':>11}  {goal}")
         if model is not None and len(contexts) >= 2:
             lo, hi = contexts[0], contexts[-1]
-            print(f"   forward (30 layers, verify step) growth {lo} -> {hi} context vs the extra KV bytes:")
+            print(f"   forward (30 layers, {step} step) growth {lo} -> {hi} context vs the extra KV bytes:")
             for b in batches:
-                for row in bench_forward(model, n, b, (lo, hi), max(3, args.reps - 2), bw):
+                for row in bench_forward(model, n, b, (lo, hi), max(3, args.reps - 2), bw, args.queries):
                     fwd_rows.append(row)
                     print(f"   batch {b} {row.backend:>6}: {row.ms_low:8.1f} -> {row.ms_high:8.1f} ms, growth "
                           f"{row.growth_ms:8.1f} ms for {row.extra_kv_mb:6.1f} MB more KV (floor "
@@ -287,7 +307,7 @@ def main(argv=None) -> None:
           f"(the machine has {os.cpu_count()} cores; per-repeat ratio spreads above show the noise)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"attention": [asdict(r) for r in att_rows], "forward": [asdict(r) for r in fwd_rows],
+            json.dump({"queries": args.queries, "attention": [asdict(r) for r in att_rows], "forward": [asdict(r) for r in fwd_rows],
                        "copy_bandwidth": bandwidths, "load": [load0, load1]}, f, indent=1)
 
 
