@@ -89,38 +89,42 @@ def precision_of(dtype: str, quantize: str | None, int8_activations: bool = Fals
 
 
 def specrt_modes(args, store: dict, skipped: dict) -> list[Mode]:
-    """AR, n-gram and each --draft, for the float target and (--target-quantize) a quantized one."""
+    """AR, n-gram and each --draft, for the float target and (--target-quantize) a quantized one; on
+    the quantized target each draft model once per --draft-quantize kind ("none": as loaded)."""
     import specrt
 
     modes = []
+    draft_kinds = [None if k == "none" else k for k in (args.draft_quantize or "none").split(",")]
     for quant in (None, args.target_quantize) if args.target_quantize else (None,):
         a8 = bool(quant and args.int8_activations)
         prec = precision_of(args.dtype, quant, a8)
-        loader = sharing_loader(store, quant)
         for draft in [None, "ngram", *args.draft]:
-            name = f"specrt {prec} " + ("AR" if draft is None else draft)
-            spec = specrt.SpecConfig(max_batch_size=1, max_model_len=args.max_model_len,
-                                     **({"max_draft_length": args.k} if args.k and draft else {}))
-            try:
-                llm = specrt.LLM(target=args.target, draft=draft, spec=spec, dtype=args.dtype, model_loader=loader,
-                                 int8_activations=a8)
-            except Exception as e:  # noqa: BLE001 - a draft that does not load is skipped, with the reason
-                if draft is None:
-                    raise
-                skipped[name] = f"{type(e).__name__}: {e}"
-                print(f"skipped {name}: {skipped[name]}")
-                continue
-            modes.append(specrt_mode(llm, name, prec, args.new_tokens, draft is None))
+            model_draft = draft not in (None, "ngram")
+            for dq in draft_kinds if quant and model_draft else [None]:
+                name = f"specrt {prec} " + ("AR" if draft is None else draft) + (f" (draft {dq})" if dq else "")
+                loader = sharing_loader(store, quant, dq)
+                spec = specrt.SpecConfig(max_batch_size=1, max_model_len=args.max_model_len,
+                                         **({"max_draft_length": args.k} if args.k and draft else {}))
+                try:
+                    llm = specrt.LLM(target=args.target, draft=draft, spec=spec, dtype=args.dtype,
+                                     model_loader=loader, int8_activations=a8)
+                except Exception as e:  # noqa: BLE001 - a draft that does not load is skipped, with the reason
+                    if draft is None:
+                        raise
+                    skipped[name] = f"{type(e).__name__}: {e}"
+                    print(f"skipped {name}: {skipped[name]}")
+                    continue
+                modes.append(specrt_mode(llm, name, prec, args.new_tokens, draft is None))
     return modes
 
 
-def sharing_loader(store: dict, quantize: str | None):
+def sharing_loader(store: dict, quantize: str | None, draft_quantize: str | None = None):
     """A ``model_loader`` hook: one copy per (path, role, dtype, quantize) shared by the modes
-    (quantizing the target here, so that no engine re-quantizes a shared model)."""
+    (quantizing the target and the draft model here, so that no engine re-quantizes a shared model)."""
     from specrt.models import load_model
 
     def load(path, role, dtype, device):
-        q = quantize if role == "target" else None
+        q = quantize if role == "target" else draft_quantize
         key = (str(Path(path).resolve()), role, str(dtype), str(device), q)
         if key not in store:
             store[key] = load_model(path, dtype=dtype, device=device, quantize=q)
@@ -385,6 +389,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="also run specrt's modes on a weight-only quantized target (e.g. q4_1)")
     ap.add_argument("--int8-activations", action="store_true",
                     help="with --target-quantize: its layers take int8 activations (llama.cpp's Q8 activations)")
+    ap.add_argument("--draft-quantize", default=None, metavar="KINDS",
+                    help="with --target-quantize: run each draft model on the quantized target once per kind "
+                         "of its own weights, comma-separated, 'none' = as loaded (e.g. none,q8_0)")
     ap.add_argument("--k", type=int, default=None, help="specrt's max_draft_length (default: SpecConfig's)")
     ap.add_argument("--lookup-tokens", type=int, default=10,
                     help="tokens proposed per lookup by llama.cpp's and transformers' prompt lookup")
