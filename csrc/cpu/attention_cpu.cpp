@@ -233,6 +233,7 @@ struct Isa {
   void (*tile)(const Tile&, LaneGroup&, int, int32_t, bool);
   void (*narrow)(const Tile&, LaneGroup&, int, int32_t, bool);  // null: every group takes `tile`
   void (*narrow_bf16)(const Tile&, LaneGroup&, int, int32_t, bool);  // narrow, bf16 cache read in place
+  void (*transpose)(const Tile&, int, bool);                          // the narrow tile's keys
   void (*combine)(const float*, int64_t, int64_t, int, float*, float*);
   void (*convert)(const void*, int, int64_t, float*);
 };
@@ -255,10 +256,11 @@ int active_isa() { return std::min(detected_isa(), g_isa_cap.load(std::memory_or
 
 Isa isa_ops(int level) {
   // 3: AVX-512 with narrow groups; 2: AVX-512, every group 16 lanes wide (same bits, for tests)
-  if (level >= 3) return {tile_avx512, narrow_avx512_float, narrow_avx512_bf16, combine_avx512, convert_avx512};
-  if (level == 2) return {tile_avx512, nullptr, nullptr, combine_avx512, convert_avx512};
-  if (level == 1) return {tile_avx2, nullptr, nullptr, combine_avx2, convert_avx2};
-  return {tile_baseline, nullptr, nullptr, combine_baseline, convert_baseline};
+  if (level >= 3)
+    return {tile_avx512, narrow_avx512_float, narrow_avx512_bf16, transpose_tile_avx512, combine_avx512, convert_avx512};
+  if (level == 2) return {tile_avx512, nullptr, nullptr, nullptr, combine_avx512, convert_avx512};
+  if (level == 1) return {tile_avx2, nullptr, nullptr, nullptr, combine_avx2, convert_avx2};
+  return {tile_baseline, nullptr, nullptr, nullptr, combine_baseline, convert_baseline};
 }
 
 // ---------------------------------------------------------------- driver
@@ -287,6 +289,8 @@ class Kernel {
     plane_ = a.kv_cache.size(1) * bs_ * Hkv_ * D_;
     const at::ScalarType dt = a.kv_cache.scalar_type();
     kind_ = dt == at::kFloat ? kF32 : dt == at::kBFloat16 ? kBF16 : kF16;
+    narrow_ = isa_.narrow != nullptr && D_ % 16 == 0;
+    direct_ = narrow_ && kind_ == kBF16 && D_ % 32 == 0;  // the narrow tile reads a bf16 cache in place
   }
 
   void run() {
@@ -362,7 +366,6 @@ class Kernel {
     g.min_pos = std::numeric_limits<int32_t>::max();
     g.max_pos = -1;
     g.live = static_cast<int>(std::min<int64_t>(kLanes, lanes - gi * kLanes));
-    g.narrow = isa_.narrow != nullptr && g.live <= kNarrowMax && D_ % 16 == 0;
     for (int i = 0; i < kLanes; ++i) {
       const int64_t lane = std::min(gi * kLanes + i, lanes - 1);  // padding lanes repeat the last position
       const int64_t qi = lane / G_;
@@ -421,15 +424,12 @@ class Kernel {
     const int64_t key_begin = std::max(c * kChunkKeys, r.first_key);
     const int64_t key_end = std::min((c + 1) * kChunkKeys, r.seq_len);
     const int32_t window = static_cast<int32_t>(a_.window > 0 && a_.window < r.seq_len ? a_.window : 0);
-    // one narrow group per kv head (decode) on a bf16 cache: the narrow tile reads K and V in place
-    const bool direct = num_groups == 1 && sc.groups[0].narrow && isa_.narrow_bf16 != nullptr && kind_ == kBF16 &&
-                        D_ % 32 == 0;
     const uint16_t* cache16 = static_cast<const uint16_t*>(a_.kv_cache.data_ptr());
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + it.b * M_;
     for (int64_t t0 = key_begin - key_begin % kTileKeys; t0 < key_end; t0 += kTileKeys) {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
       if (t0 + kTileKeys < key_end) prefetch_tile(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end));
-      if (direct) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
+      if (direct_) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
         int64_t blk = k0 / bs_, o = k0 % bs_;
         for (int64_t j = 0; j < kTileKeys; ++j) {
           if (k0 + j >= k1) {
@@ -442,19 +442,20 @@ class Kernel {
       }
       for (int64_t h = 0; h < Hkv_; ++h) {
         Tile tile{sc.kbuf, sc.vbuf, D_, static_cast<int>(k1 - k0), static_cast<int32_t>(k0), sc.kt};
-        if (direct) {
+        if (direct_) {
           for (int64_t j = 0; j < kTileKeys; ++j) sc.rows[j] = cache16 + sc.off[j] + h * D_;
           tile.rows = sc.rows;
           tile.vplane = plane_;
         } else {
           load_tile(it.b, h, k0, k1, sc);
         }
+        if (narrow_) isa_.transpose(tile, D_, direct_);
         for (int64_t gi = 0; gi < num_groups; ++gi) {
           LaneGroup& g = sc.groups[h * num_groups + gi];
           // a tile no lane of the group can see changes nothing (see attention.h): skip it
           if (k0 > g.max_pos || (window != 0 && k1 - 1 <= g.min_pos - window)) continue;
           const bool masked = k1 - 1 > g.min_pos || (window != 0 && k0 <= g.max_pos - window);
-          (g.narrow ? (direct ? isa_.narrow_bf16 : isa_.narrow) : isa_.tile)(tile, g, D_, window, masked);
+          (narrow_ ? (direct_ ? isa_.narrow_bf16 : isa_.narrow) : isa_.tile)(tile, g, D_, window, masked);
         }
       }
     }
@@ -471,8 +472,8 @@ class Kernel {
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const LaneGroup& g = groups[lane / kLanes];
       const int i = lane % kLanes;
-      const float* acc = g.narrow ? g.acc + i * D_ : g.acc + i;  // [lane][D] or [D][16]
-      const int64_t step = g.narrow ? 1 : kLanes;
+      const float* acc = narrow_ ? g.acc + i * D_ : g.acc + i;  // [lane][D] or [D][16]
+      const int64_t step = narrow_ ? 1 : kLanes;
       if (r.num_chunks == 1) {
         float* o = out_row(r, h, lane);
         for (int d = 0; d < D_; ++d) o[d] = acc[d * step] / g.l[i];
@@ -510,6 +511,7 @@ class Kernel {
   int64_t T_, H_, bs_, Hkv_, G_, B_, M_, plane_;
   int D_;
   int kind_;
+  bool narrow_, direct_;  // every group takes the narrow tile; it reads K and V from the bf16 cache
   std::vector<Request> reqs_;
   std::vector<Item> items_;
   int64_t max_groups_ = 1;

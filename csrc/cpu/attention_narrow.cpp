@@ -130,13 +130,6 @@ SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], c
 template <int NL, bool kDirect>
 SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[NL][kTileKeys];
-  for (int b = 0; b < 2; ++b) {  // keys 16 b .. 16 b + 15 as [D][16] (rows past t.n: stale, never used)
-    if constexpr (kDirect) {
-      for (int c = 0; c < D; c += 32) transpose_keys_bf16(t.rows + 16 * b, c, t.kt + (b * D + c) * 16);
-    } else {
-      for (int c = 0; c < D; c += 16) transpose_keys(t.k + 16 * b * t.stride + c, t.stride, t.kt + (b * D + c) * 16);
-    }
-  }
   if constexpr (NL <= 8) {  // at most 16 score accumulators per pass
     scores_narrow<NL>(t, g, D, 0, window, masked, s);
   } else {
@@ -209,6 +202,16 @@ SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t win
 #pragma GCC diagnostic pop
 
 }  // namespace
+
+void transpose_tile_avx512(const Tile& t, int D, bool direct) {
+  for (int b = 0; b < 2; ++b) {  // keys 16 b .. 16 b + 15 as [D][16] (rows past t.n: stale, never used)
+    if (direct) {
+      for (int c = 0; c < D; c += 32) transpose_keys_bf16(t.rows + 16 * b, c, t.kt + (b * D + c) * 16);
+    } else {
+      for (int c = 0; c < D; c += 16) transpose_keys(t.k + 16 * b * t.stride + c, t.stride, t.kt + (b * D + c) * 16);
+    }
+  }
+}
 
 void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   narrow_avx512<false>(t, g, D, window, masked);

@@ -20,13 +20,12 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Up to 16 queries of one (request, kv head); buffers are transposed [D][16].
 struct LaneGroup {
   float* qt;    // [D][16] q * qscale (padding lanes 0)
-  float* acc;   // [D][16] running sum of p * v ([16][D] in a narrow group)
+  float* acc;   // [D][16] running sum of p * v ([16][D] under the narrow tile)
   float* m;     // [16] running max (base-2 score domain)
   float* l;     // [16] running sum of p
   int32_t pos[kLanes];  // absolute position of each lane's query (padding lanes: a real one's)
   int32_t min_pos, max_pos;
   int live;     // lanes holding a real query (1..16)
-  bool narrow;  // computed by the narrow tile (acc layout [lane][D])
 };
 
 // Keys k0 .. k0+n-1 of one tile for one kv head, converted to float: key j's row is k + j * stride.
@@ -36,7 +35,7 @@ struct Tile {
   int64_t stride;
   int n;
   int32_t k0;
-  float* kt;  // scratch [2][D][16] for the narrow tile's transposed keys
+  float* kt;  // [2][D][16]: the tile's keys transposed for the narrow tile (transpose_tile_avx512)
   // narrow tile on a bf16 cache, read in place (k, v unused): key j's K row of this kv head; its V row
   // is vplane elements further (rows past n repeat row n - 1)
   const uint16_t* const* rows = nullptr;
@@ -75,12 +74,12 @@ SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
 }
 #pragma GCC diagnostic pop
 
-// Groups of up to this many live lanes take the narrow tile (with AVX-512): every group, as it
-// measured faster at 1..16 lanes (bench/README.md, paged attention).
-constexpr int kNarrowMax = 16;
-
-// The narrow tile update of a group (D % 16 == 0), from the float tile t.k / t.v, or (bf16: D % 32 ==
-// 0) from the bf16 cache rows t.rows read in place. Call only where AVX-512 F/BW/VL is available.
+// With AVX-512 every lane group takes the narrow tile (measured faster at 1..16 live lanes,
+// bench/README.md, paged attention). Call these only where AVX-512 F/BW/VL is available.
+// t.kt = the tile's keys transposed, from the float tile t.k (D % 16 == 0) or, direct, from the bf16
+// cache rows t.rows (D % 32 == 0); once per tile and kv head, shared by its lane groups.
+void transpose_tile_avx512(const Tile& t, int D, bool direct);
+// A group's update from t.kt and V from the float tile t.v, or (bf16) from the cache rows t.rows.
 void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 
