@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 VOCAB = 96
@@ -93,3 +94,24 @@ class LLMCache:
 def tokens(outs) -> list[list[int]]:
     """The token ids of each output."""
     return [o.token_ids for o in outs]
+
+
+def exact_tables(tdir: Path, prompt: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The target's exact p(x0 | prompt) [V] and p(x1 | prompt, x0) [V, V] at T=1, top-k 8."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32).eval()
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        top = torch.topk(logits, 8)
+        p = torch.zeros(VOCAB, dtype=torch.float64)
+        p[top.indices] = torch.softmax(top.values, -1)
+        return p.numpy()
+
+    first = dist(prompt)
+    second = np.zeros((VOCAB, VOCAB))
+    for x0 in np.nonzero(first)[0]:
+        second[x0] = dist(prompt + [int(x0)])
+    return first, second

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import VOCAB, make_pair, tokens  # noqa: E402
+from _engine_utils import VOCAB, exact_tables, make_pair, tokens  # noqa: E402
 from _stats import P_FAIL, P_PASS, chisquare_conditional  # noqa: E402
-from test_reduced_draft import exact_tables  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402

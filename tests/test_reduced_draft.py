@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_utils import EOS, VOCAB, make_pair, tokens  # noqa: E402
+from _engine_utils import EOS, VOCAB, exact_tables, make_pair, tokens  # noqa: E402
 from _stats import P_FAIL, P_PASS, chisquare_conditional  # noqa: E402
 
 import specrt  # noqa: E402
@@ -107,27 +107,6 @@ def _pairs(eng, n: int, seed0: int, wrap=None) -> np.ndarray:
     return np.array([o.token_ids[:2] for o in eng.generate([PROMPTS[1]] * n, params)])
 
 
-def exact_tables(tdir: Path, prompt: list[int] = PROMPTS[1]) -> tuple[np.ndarray, np.ndarray]:
-    """The target's exact p(x0 | prompt) [V] and p(x1 | prompt, x0) [V, V] at T=1, top-k 8."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tdir), dtype=torch.float32).eval()
-
-    def dist(ids):
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].double()
-        top = torch.topk(logits, 8)
-        p = torch.zeros(VOCAB, dtype=torch.float64)
-        p[top.indices] = torch.softmax(top.values, -1)
-        return p.numpy()
-
-    first = dist(prompt)
-    second = np.zeros((VOCAB, VOCAB))
-    for x0 in np.nonzero(first)[0]:
-        second[x0] = dist(prompt + [int(x0)])
-    return first, second
-
-
 def _off_map_share_p(got: np.ndarray, first: np.ndarray, second: np.ndarray) -> float:
     """Binomial test: the share of x1 the draft cannot propose equals its exact probability."""
     from scipy.stats import binomtest
@@ -149,7 +128,7 @@ def test_rejection_sampling_with_a_reduced_draft_is_exact(pair, tmp_path, kind):
     (specrt.drafters.feature) also reads the target's features of the prompt it catches up over."""
     tdir, _ = pair
     ddir = save_reduced_draft(tdir, tmp_path / "full", layers=(0, 1, 2), kind=kind, feature_scale=0.05)
-    first, second = exact_tables(tdir)
+    first, second = exact_tables(tdir, PROMPTS[1])
     n = 4000
     spec = SpecConfig(max_draft_length=2, max_batch_size=256)
     eng = specrt.LLM(target=str(tdir), draft=str(ddir), seed=0, spec=spec)
