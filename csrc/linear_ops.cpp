@@ -140,7 +140,7 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def("quant_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
   m.def("quant_linear_dynamic(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, str kind) -> Tensor");
   m.def("interleave_quant_weight(Tensor qweight, str kind, bool inverse=False) -> Tensor");
-  m.def("linear_dynamic_vnni() -> bool", &specrt::linear_dynamic_vnni);
+  m.def("linear_dynamic_isa() -> str", &specrt::linear_dynamic_isa);
   m.def("linear_isa_names() -> str[]", &specrt::linear_isa_names);
   m.def("set_linear_isa(str name) -> str", &specrt::set_linear_isa);
 }

@@ -5,7 +5,8 @@ Properties proven here:
 - the interleaved weight order is a permutation (the C++ op equals the torch reference, and inverts);
 - batch invariance: every row of an M-row call (M = 1..16) is bit-identical to that row computed
   alone, for every quantized kind, odd block counts and super-block tails, 1 and 2 threads, and the
-  AVX-512-VNNI and portable paths agree bit for bit with reference.quant_linear_dynamic (the order);
+  AVX-512-VNNI, AVX2 and portable paths agree bit for bit with reference.quant_linear_dynamic (the
+  order), int8 weights of -128 included;
 - layers and models: interleaving in place changes no result, state dict or embedding row; switching
   int8 activations off restores the float-activation logits bit for bit;
 - engine: greedy speculative output equals autoregressive output with a quantized, int8-activation
@@ -79,12 +80,15 @@ def test_interleave_errors_and_opcheck():
 
 # ----------------------------------------------------------------------------- the kernel's order
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("k", [96, 544, 1056])  # odd block counts (K % 64 == 32), one and two super-block tails
+# odd block counts (K % 64 == 32), one and two super-block tails; 896: a 12-block tail (both AVX2 halves)
+@pytest.mark.parametrize("k", [96, 544, 896, 1056])
 def test_rows_batch_invariant_every_isa_and_thread_count(kind, k):
-    """Row i of an M-row call == row i alone, bit for bit, M = 1..16, 1 and 2 threads, VNNI and portable
-    paths; and reference.quant_linear_dynamic (the documented order, in torch) gives the same bits."""
+    """Row i of an M-row call == row i alone, bit for bit, M = 1..16, 1 and 2 threads, the VNNI, AVX2
+    and portable paths; and reference.quant_linear_dynamic (the documented order, in torch) gives the same bits."""
     n = 37  # not a multiple of the 4-row tiles
     q, s, mn, b = quant_args(n, k, kind, seed=k)
+    if kind in ("int8", "q8_0"):  # -128 (never made by quantize, legal in a file): AVX2's |w| trick must hold
+        q.view(torch.int8)[::3, ::7] = -128
     w = ops.interleave_quant_weight(q, kind)
     x = rand(16, k, seed=k + 7)
     x[4, :32] = 0  # a block of zeros (dx = 0)
@@ -93,9 +97,9 @@ def test_rows_batch_invariant_every_isa_and_thread_count(kind, k):
     assert same_bits(alone, reference.quant_linear_dynamic(x, q, s, mn, b, kind))
     prev_threads, prev_isa = torch.get_num_threads(), ops.set_linear_isa("")
     try:
-        for isa in ("", "scalar"):
+        for isa in [i for i in ("", "avx2", "scalar") if i in ops.linear_isa_names() + [""]]:
             ops.set_linear_isa(isa)
-            assert isa == "" or not ops.linear_dynamic_vnni()
+            assert isa == "" or ops.linear_dynamic_isa() == isa
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 for m in range(1, 17):

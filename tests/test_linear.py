@@ -510,7 +510,7 @@ def test_serve_and_demo_flags():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_int8_activations_isa_rows_and_reference(kind, xdt):
-    """quant_linear_dynamic: VNNI and portable paths agree bit for bit, rows are batch-invariant, the
+    """quant_linear_dynamic: every path (VNNI, AVX2, portable) agrees bit for bit, rows are batch-invariant, the
     result is reference.quant_linear_dynamic's bit for bit and near the float64 math of the quantized
     activations; its distance from the float activations (quant_linear) is the activation rounding only."""
     for n, k in ((37, 96), (64, 576), (5, 32)):  # 96: an odd number of blocks
@@ -519,13 +519,14 @@ def test_int8_activations_isa_rows_and_reference(kind, xdt):
         x[2, :32] = 0  # a block of zeros (dx = 0)
         x[3, 5] = 1e30  # one huge value: the rest of its block rounds to 0
         y = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
-        prev = ops.set_linear_isa("scalar")
-        try:
-            assert not ops.linear_dynamic_vnni()
-            portable = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
-        finally:
-            ops.set_linear_isa(prev)
-        assert same_bits(y, portable)
+        for isa in [i for i in ("avx2", "scalar") if i in ops.linear_isa_names()]:
+            prev = ops.set_linear_isa(isa)
+            try:
+                assert ops.linear_dynamic_isa() == isa
+                other = ops.quant_linear_dynamic(x, q, s, mn, b, kind)
+            finally:
+                ops.set_linear_isa(prev)
+            assert same_bits(y, other), isa
         assert same_bits(y, torch.cat([ops.quant_linear_dynamic(x[i:i + 1], q, s, mn, b, kind) for i in range(9)]))
         assert same_bits(y, reference.quant_linear_dynamic(x, q, s, mn, b, kind))
         keep = [0, 1, 2, 4, 5, 6, 7, 8]  # row 3's huge value would dwarf every tolerance

@@ -104,12 +104,20 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
   return y;
 }
 
-bool linear_dynamic_vnni() {
+// The int8-activation path in use: 2 = AVX-512 VNNI, 1 = AVX2, 0 = portable (all the same bits).
+int dynamic_isa() {
   static const bool vnni = [] {
     __builtin_cpu_init();
     return best_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
   }();
-  return vnni && g_isa_cap.load(std::memory_order_relaxed) >= kAvx512;
+  const int cap = std::min(best_isa(), g_isa_cap.load(std::memory_order_relaxed));
+  if (vnni && cap >= kAvx512) return 2;
+  return cap >= kAvx2 ? 1 : 0;
+}
+
+std::string linear_dynamic_isa() {
+  constexpr const char* kNames[] = {"scalar", "avx2", "avx512vnni"};
+  return kNames[dynamic_isa()];
 }
 
 at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
@@ -140,15 +148,19 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   p.y_bf16 = y.scalar_type() == at::kBFloat16;
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const bool vnni = linear_dynamic_vnni();
-  const auto quant = vnni ? &linear::quantize_activations_avx512 : &linear::quantize_activations;
+  const int isa = dynamic_isa();
+  const auto quant = isa == 2   ? &linear::quantize_activations_avx512
+                     : isa == 1 ? &linear::quantize_activations_avx2
+                                : &linear::quantize_activations;
   const int64_t qgrain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, K));
   if (M <= qgrain) {
     quant(xp, ldx, p, 0, M);
   } else {
     at::parallel_for(0, M, qgrain, [&](int64_t m0, int64_t m1) { quant(xp, ldx, p, m0, m1); });
   }
-  const auto fn = vnni ? &linear::dynamic_rows_avx512vnni : &linear::dynamic_rows_scalar;
+  const auto fn = isa == 2   ? &linear::dynamic_rows_avx512vnni
+                  : isa == 1 ? &linear::dynamic_rows_avx2
+                             : &linear::dynamic_rows_scalar;
   constexpr int64_t kBlock = 4;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));

@@ -26,8 +26,8 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x, const at::Tensor& weigh
                                     const at::Tensor& mins, const at::Tensor& bias, linear::WeightKind kind);
 // A contiguous quantized weight [N, K or K/2] (K % 32 == 0) permuted into (inverse: out of) that order.
 at::Tensor interleave_quant_weight_cpu(const at::Tensor& qweight, linear::WeightKind kind, bool inverse);
-// Whether small_linear_dynamic_cpu runs on AVX-512-VNNI now.
-bool linear_dynamic_vnni();
+// The path small_linear_dynamic_cpu runs on now: "avx512vnni", "avx2" or "scalar".
+std::string linear_dynamic_isa();
 
 // ISAs this CPU can run, best first ("avx512bf16", "avx512", "avx2", "scalar").
 std::vector<std::string> linear_isa_names();

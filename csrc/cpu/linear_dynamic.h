@@ -14,7 +14,7 @@
 // for s = 0, 1, ...; lanes past the last block get fma(0, 0, acc_l). Each output is
 //   int8: y = scale[n] * R(acc)    q8_0 / q4_0 / q4_1: y = R(acc)
 // where R is the fixed 16-lane tree of linear_kernel.h, then + bias. Integer sums are exact, so
-// the AVX-512-VNNI path and the portable one give the same bits for any row count, tiling or
+// the AVX-512-VNNI, AVX2 and portable paths give the same bits for any row count, tiling or
 // thread count (specrt/reference.py reproduces them in torch). Results differ from the float kernel
 // by the activation rounding (~0.5% of |y| on random data): opt-in only, never the default.
 //
@@ -79,8 +79,10 @@ void interleave_rows(const uint8_t* src, uint8_t* dst, int64_t G, int B, int64_t
 // Quantize rows [m0, m1) of x (float [M, K], rows ldx apart) into p's buffers (scalar: exact IEEE ops).
 void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1);
 void quantize_activations_avx512(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1);
+void quantize_activations_avx2(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1);
 // Output columns [n0, n1) of y for all M rows.
 void dynamic_rows_scalar(const DynProblem& p, int64_t n0, int64_t n1);
 void dynamic_rows_avx512vnni(const DynProblem& p, int64_t n0, int64_t n1);  // AVX-512 F/BW/VL + VNNI + F16C
+void dynamic_rows_avx2(const DynProblem& p, int64_t n0, int64_t n1);        // AVX2 + FMA + F16C
 
 }  // namespace specrt::linear

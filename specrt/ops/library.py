@@ -38,9 +38,9 @@ def attention_cpu_isa(cap: int = -1) -> int:
     return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
 
 
-def linear_dynamic_vnni() -> bool:
-    """Whether quant_linear_dynamic runs on AVX-512-VNNI now (else its portable path: the same bits)."""
-    return bool(torch.ops.specrt.linear_dynamic_vnni())
+def linear_dynamic_isa() -> str:
+    """The path quant_linear_dynamic runs on now: "avx512vnni", "avx2" or "scalar" (all the same bits)."""
+    return str(torch.ops.specrt.linear_dynamic_isa())
 
 
 def linear_isa_names() -> list[str]:
