@@ -80,8 +80,9 @@ def test_interleave_errors_and_opcheck():
 
 # ----------------------------------------------------------------------------- the kernel's order
 @pytest.mark.parametrize("kind", KINDS)
-# odd block counts (K % 64 == 32), one and two super-block tails; 896: a 12-block tail (both AVX2 halves)
-@pytest.mark.parametrize("k", [96, 544, 896, 1056])
+# block counts 3, 5, 17, 18, 22, 24, 28, 33: compact tails (linear_dynamic.h) of 3, 5 (alone), 1, 2, 6
+# and 8 blocks; 896: a 12-block tail on full-width steps (both AVX2 halves)
+@pytest.mark.parametrize("k", [96, 160, 544, 576, 704, 768, 896, 1056])
 def test_rows_batch_invariant_every_isa_and_thread_count(kind, k):
     """Row i of an M-row call == row i alone, bit for bit, M = 1..16, 1 and 2 threads, the VNNI, AVX2
     and portable paths; and reference.quant_linear_dynamic (the documented order, in torch) gives the same bits."""

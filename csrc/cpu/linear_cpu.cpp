@@ -132,13 +132,17 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   p.K = K;
   p.G = G;
   p.S = (G + linear::kSuper - 1) / linear::kSuper;
-  // quantized activations in one buffer (4-byte words): xq [M][S*512] int8, dx / corr / e [M][S*16]
-  const int64_t lanes = M * p.S * linear::kSuper;
-  const at::Tensor buf = at::empty({lanes * 8 + 3 * lanes}, x.options());
+  const int isa = dynamic_isa();
+  p.tail = isa > 0 ? linear::tail_lanes(G) : 0;
+  // quantized activations in one buffer (4-byte words): xq [M][S*512] int8, dx / corr / e [M][S*16],
+  // and the compact tail's xt [M][kTailBytes] when there is one
+  const int64_t lanes = M * p.S * linear::kSuper, tail_words = p.tail ? M * linear::kTailBytes / 4 : 0;
+  const at::Tensor buf = at::empty({lanes * 8 + 3 * lanes + tail_words}, x.options());
   p.xq = reinterpret_cast<const int8_t*>(buf.data_ptr<float>());
   p.dx = buf.data_ptr<float>() + lanes * 8;
   p.corr = reinterpret_cast<const int32_t*>(p.dx + lanes);
   p.e = p.dx + 2 * lanes;
+  p.xt = p.tail ? reinterpret_cast<const int8_t*>(p.dx + 3 * lanes) : nullptr;
   p.w = weight.data_ptr();
   p.kind = kind;
   p.scales = scales.data_ptr();
@@ -148,15 +152,18 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   p.y_bf16 = y.scalar_type() == at::kBFloat16;
   const float* xp = x.data_ptr<float>();
   const int64_t ldx = x.stride(0);
-  const int isa = dynamic_isa();
   const auto quant = isa == 2   ? &linear::quantize_activations_avx512
                      : isa == 1 ? &linear::quantize_activations_avx2
                                 : &linear::quantize_activations;
   const int64_t qgrain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, K));
+  const auto prepare = [&](int64_t m0, int64_t m1) {
+    quant(xp, ldx, p, m0, m1);
+    if (p.tail) linear::tail_activations(p, m0, m1);
+  };
   if (M <= qgrain) {
-    quant(xp, ldx, p, 0, M);
+    prepare(0, M);
   } else {
-    at::parallel_for(0, M, qgrain, [&](int64_t m0, int64_t m1) { quant(xp, ldx, p, m0, m1); });
+    at::parallel_for(0, M, qgrain, prepare);
   }
   const auto fn = isa == 2   ? &linear::dynamic_rows_avx512vnni
                   : isa == 1 ? &linear::dynamic_rows_avx2

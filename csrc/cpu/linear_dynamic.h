@@ -24,6 +24,14 @@
 // holding 4 bytes per block: byte (t * n + l) * 4 + c = byte 4 t + c of block l. A q4 step t's low
 // nibbles are features 4t..4t+3 of each block, its high nibbles features 16+4t..16+4t+3 (GGUF's
 // nibble order). One 64-byte vector of a full super-block thus feeds one vpdpbusd per lane-block.
+//
+// Compact tail (the SIMD paths; same bits): when the last super-block holds only n = G % 16 blocks,
+// 1 <= n <= 8 (SmolLM2's K = 576: 16 + 2 blocks), full-width steps would leave 16 - n lanes idle.
+// Its weight dwords (dword t n + l = step t of block l, as stored) are instead spread over lanes
+// L = t n2 + l (n2 = the power of two >= n; lanes with l >= n zero), several steps per vector, and x
+// is prepared in that order once per call (DynProblem::xt); the per-lane integer sums are then
+// folded (lane i += lane i + k, k = 8, 4, .., n2) into lanes 0..n-1 before the usual float step.
+// Integer sums are exact, so P_g, and every bit after it, is what the full-width step gives.
 #pragma once
 
 #include <cstdint>
@@ -49,7 +57,22 @@ struct DynProblem {
   const float* bias = nullptr;
   void* y = nullptr;              // [M, N] float or bf16
   bool y_bf16 = false;
+  int tail = 0;                   // n2 of the compact tail (0: none; SIMD paths only)
+  const int8_t* xt = nullptr;     // [M][kTailBytes]: the tail's x in lane order L = t n2 + l (tail_activations)
 };
+
+// The compact tail's lanes per step n2 for G blocks (0: no tail, or one too wide to compact).
+static inline int tail_lanes(int64_t G) {
+  const int n = static_cast<int>(G % kSuper);
+  int n2 = 1;
+  while (n2 < n) n2 <<= 1;
+  return n == 0 || n > 8 ? 0 : n2;
+}
+// xt per x row: q4: dwords [0, 32) pair with each weight dword's low nibbles (lane L = t n2 + l: block
+// l, x step t), dwords [32, 64) with its high nibbles (x step t + 4); int8 / q8_0: dwords [0, 64),
+// lane L: block l, x step t. Zero elsewhere (int8 weights are fed offset by 128: pads must meet x = 0).
+constexpr int kTailBytes = 256;
+void tail_activations(const DynProblem& p, int64_t m0, int64_t m1);
 
 // Row m's slices of p's activation buffers (what quantize_activations* write).
 struct ActRow {

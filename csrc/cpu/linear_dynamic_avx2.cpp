@@ -43,9 +43,15 @@ constexpr bool is_q4(WeightKind k) { return k == WeightKind::kQ4_0 || k == Weigh
 // 8 fp16 values as floats; nh < 8: the first nh, the rest 0 (never read past the row).
 inline __m256 load_h8(const uint16_t* src, int nh) {
   if (nh == 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-  uint16_t tmp[8] = {0};
-  std::memcpy(tmp, src, 2 * static_cast<size_t>(nh));
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp)));
+  // nh / 2 whole dwords by a masked load, an odd last value blended in (a copy through a stack
+  // buffer would stall store forwarding)
+  __m128i h = _mm_maskload_epi32(reinterpret_cast<const int*>(src),
+                                 _mm_cmpgt_epi32(_mm_set1_epi32(nh / 2), _mm_setr_epi32(0, 1, 2, 3)));
+  if (nh & 1) {
+    const __m128i at = _mm_cmpeq_epi16(_mm_set1_epi16(static_cast<int16_t>(nh - 1)), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7));
+    h = _mm_or_si128(h, _mm_and_si128(at, _mm_set1_epi16(static_cast<int16_t>(src[nh - 1]))));
+  }
+  return _mm256_cvtph_ps(h);
 }
 
 // Half h of super-block s for NR weight rows x MR x rows: acc[r][i] += its 8 lanes' terms.
@@ -113,6 +119,80 @@ inline void half_block(const DynProblem& p, int64_t n, int64_t m0, int64_t s, in
   }
 }
 
+// The compact tail (linear_dynamic.h; n <= 8 blocks: lanes 0-7 only) of NR weight rows x MR x rows.
+template <WeightKind kKind, int NR, int MR, int n2>
+inline void tail_block(const DynProblem& p, int64_t n, int64_t m0, __m256 (&acc)[NR][MR]) {
+  constexpr int B = is_q4(kKind) ? 16 : 32, kSteps = B / 4;
+  constexpr bool kInt8 = kKind == WeightKind::kInt8, kQ41 = kKind == WeightKind::kQ4_1;
+  constexpr int sh = __builtin_ctz(n2), nv = (kSteps * n2 + 7) / 8;  // 8-lane weight vectors (q4: 1-4, else 1-8)
+  const int64_t G = p.G, lanes = p.S * kSuper, lane0 = (p.S - 1) * kSuper;
+  const int ng = static_cast<int>(G - lane0);
+  const __m256i ones = _mm256_set1_epi16(1), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i blk = _mm256_and_si256(lane, _mm256_set1_epi32(n2 - 1));
+  const __m256i idx = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_srli_epi32(lane, sh), _mm256_set1_epi32(ng)), blk);
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng), blk);   // block < ng
+  const __m256i first = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng), lane);  // lanes 0..ng-1
+  const uint16_t* d = static_cast<const uint16_t*>(p.scales);
+#pragma GCC unroll 2
+  for (int r = 0; r < NR; ++r) {
+    const int32_t* src = reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(p.w) + (n + r) * G * B + lane0 * B);
+    __m256i w[8], sw[8];  // q4: low / high nibble operands of vector v at 2 v / 2 v + 1; else |w| and w
+#pragma GCC unroll 8
+    for (int v = 0; v < nv; ++v) {
+      const int t0 = (8 * v) >> sh, avail = (kSteps - t0) * ng;  // dwords left from step t0 on
+      const __m256i lm = _mm256_cmpgt_epi32(_mm256_set1_epi32(avail), lane);
+      const __m256i raw = _mm256_and_si256(
+          keep, _mm256_permutevar8x32_epi32(_mm256_maskload_epi32(src + t0 * ng, lm), idx));
+      if constexpr (is_q4(kKind)) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        w[2 * v] = _mm256_and_si256(raw, low4);  // nv <= 4 for q4
+        w[2 * v + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      } else {
+        w[v] = _mm256_abs_epi8(raw);
+        sw[v] = raw;
+      }
+    }
+    __m256 dw = _mm256_setzero_ps(), mw = _mm256_setzero_ps();
+    if constexpr (!kInt8) dw = load_h8(d + (n + r) * G + lane0, ng);
+    if constexpr (kQ41) mw = load_h8(p.mins + (n + r) * G + lane0, ng);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = (m0 + i) * lanes + lane0;
+      const int8_t* xt = p.xt + (m0 + i) * kTailBytes;
+      __m256i P;
+      if constexpr (is_q4(kKind)) {  // <= 8 vpmaddubsw terms per int16 lane: <= 30,480
+        __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int v = 0; v < nv; ++v) {
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * v));
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 128 + 32 * v));
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[2 * v], lo));
+          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[2 * v + 1], hi));
+        }
+        P = _mm256_madd_epi16(s16, ones);
+      } else {
+        P = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; ++v) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * v));
+          P = _mm256_add_epi32(P, _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], _mm256_sign_epi8(xv, sw[v])), ones));
+        }
+      }
+      // fold lane (i + k) mod 8 into lane i, k = 4 .. n2: lanes 0..n2-1 get their block's sum
+      if constexpr (n2 <= 4) P = _mm256_add_epi32(P, _mm256_permutevar8x32_epi32(P, _mm256_setr_epi32(4, 5, 6, 7, 0, 1, 2, 3)));
+      if constexpr (n2 <= 2) P = _mm256_add_epi32(P, _mm256_permutevar8x32_epi32(P, _mm256_setr_epi32(2, 3, 4, 5, 6, 7, 0, 1)));
+      if constexpr (n2 <= 1) P = _mm256_add_epi32(P, _mm256_permutevar8x32_epi32(P, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 0)));
+      if constexpr (kKind == WeightKind::kQ4_0)
+        P = _mm256_add_epi32(P, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.corr + row)));
+      P = _mm256_and_si256(P, first);
+      const __m256 dx = _mm256_loadu_ps(p.dx + row);
+      const __m256 sc = kInt8 ? dx : _mm256_mul_ps(dw, dx);
+      acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(P), sc, acc[r][i]);
+      if constexpr (kQ41) acc[r][i] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(p.e + row), acc[r][i]);
+    }
+  }
+}
+
 template <WeightKind kKind, int NR, int MR>
 void tile(const DynProblem& p, int64_t n, int64_t m0) {
   const int64_t G = p.G;
@@ -121,7 +201,15 @@ void tile(const DynProblem& p, int64_t n, int64_t m0) {
     for (int i = 0; i < MR; ++i) lo[r][i] = hi[r][i] = _mm256_setzero_ps();
   // Lanes past the last block would add fma(0, 0, acc) = acc (acc starts at +0 and no fma can make
   // it -0), so halves with no block are skipped.
-  for (int64_t s = 0; s < p.S; ++s) half_block<kKind, NR, MR>(p, n, m0, s, 0, lo);
+  const int64_t full = p.tail ? p.S - 1 : p.S;  // super-blocks on full-width steps
+  for (int64_t s = 0; s < full; ++s) half_block<kKind, NR, MR>(p, n, m0, s, 0, lo);
+  switch (p.tail) {
+    case 1: tail_block<kKind, NR, MR, 1>(p, n, m0, lo); break;
+    case 2: tail_block<kKind, NR, MR, 2>(p, n, m0, lo); break;
+    case 4: tail_block<kKind, NR, MR, 4>(p, n, m0, lo); break;
+    case 8: tail_block<kKind, NR, MR, 8>(p, n, m0, lo); break;
+    default: break;
+  }
   for (int64_t s = 0; s < p.S; ++s)
     if (G - s * kSuper > 8) half_block<kKind, NR, MR>(p, n, m0, s, 1, hi);
   for (int r = 0; r < NR; ++r)

@@ -63,6 +63,70 @@ inline void unpack(const uint8_t* src, int ng, __m512i (&w)[8]) {
   }
 }
 
+// The compact tail (linear_dynamic.h) of NR weight rows x MR x rows: acc[r][i] += its lanes' terms.
+template <WeightKind kKind, int NR, int MR, int n2>
+inline void tail_block(const DynProblem& p, int64_t n, int64_t m0, __m512 (&acc)[NR][MR]) {
+  constexpr int B = is_q4(kKind) ? 16 : 32, kSteps = B / 4;
+  constexpr bool kInt8 = kKind == WeightKind::kInt8, kQ41 = kKind == WeightKind::kQ4_1;
+  constexpr int sh = __builtin_ctz(n2), nv = (kSteps * n2 + 15) / 16;  // weight vectors (q4: 1-2, else 1-4)
+  const int64_t G = p.G, lanes = p.S * kSuper, lane0 = (p.S - 1) * kSuper, rowb = G * B;
+  const int ng = static_cast<int>(G - lane0);
+  const __mmask16 mk = static_cast<__mmask16>((1u << ng) - 1u);
+  // lane i of every vector: step (i >> sh) of the vector's first, block i & (n2 - 1), kept if < ng
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i blk = _mm512_and_si512(lane, _mm512_set1_epi32(n2 - 1));
+  const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_srli_epi32(lane, sh), _mm512_set1_epi32(ng)), blk);
+  const __mmask16 keep = _mm512_cmplt_epi32_mask(blk, _mm512_set1_epi32(ng));
+  const uint16_t* d = static_cast<const uint16_t*>(p.scales);
+#pragma GCC unroll 4
+  for (int r = 0; r < NR; ++r) {
+    const int32_t* src = reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(p.w) + (n + r) * rowb + lane0 * B);
+    __m512i w[8];  // q4: low / high nibble operands of vector v at 2 v / 2 v + 1
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; ++v) {
+      const int t0 = (16 * v) >> sh, avail = (kSteps - t0) * ng;  // dwords left from step t0 on
+      const __mmask16 lm = static_cast<__mmask16>(avail >= 16 ? 0xFFFFu : (1u << avail) - 1u);
+      const __m512i raw = _mm512_maskz_permutexvar_epi32(keep, idx, _mm512_maskz_loadu_epi32(lm, src + t0 * ng));
+      if constexpr (is_q4(kKind)) {
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        w[2 * v] = _mm512_and_si512(raw, low4);
+        w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      } else {
+        w[v] = _mm512_xor_si512(raw, _mm512_set1_epi8(static_cast<char>(0x80)));  // pads meet x = 0
+      }
+    }
+    __m512 dw = _mm512_setzero_ps(), mw = _mm512_setzero_ps();
+    if constexpr (!kInt8) dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, d + (n + r) * G + lane0));
+    if constexpr (kQ41) mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, p.mins + (n + r) * G + lane0));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = (m0 + i) * lanes + lane0;
+      const int8_t* xt = p.xt + (m0 + i) * kTailBytes;
+      __m512i P = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int v = 0; v < nv; ++v) {
+        if constexpr (is_q4(kKind)) {
+          P = _mm512_dpbusd_epi32(P, w[2 * v], _mm512_loadu_si512(xt + 64 * v));
+          P = _mm512_dpbusd_epi32(P, w[2 * v + 1], _mm512_loadu_si512(xt + 128 + 64 * v));
+        } else {
+          P = _mm512_dpbusd_epi32(P, w[v], _mm512_loadu_si512(xt + 64 * v));
+        }
+      }
+      const __m512i zero = _mm512_setzero_si512();  // fold lane i + k into lane i down to n2 lanes
+      if constexpr (n2 <= 8) P = _mm512_add_epi32(P, _mm512_alignr_epi32(zero, P, 8));
+      if constexpr (n2 <= 4) P = _mm512_add_epi32(P, _mm512_alignr_epi32(zero, P, 4));
+      if constexpr (n2 <= 2) P = _mm512_add_epi32(P, _mm512_alignr_epi32(zero, P, 2));
+      if constexpr (n2 <= 1) P = _mm512_add_epi32(P, _mm512_alignr_epi32(zero, P, 1));
+      if constexpr (!kQ41) P = _mm512_add_epi32(P, _mm512_maskz_loadu_epi32(mk, p.corr + row));
+      P = _mm512_maskz_mov_epi32(mk, P);
+      const __m512 dx = _mm512_loadu_ps(p.dx + row);
+      const __m512 sc = kInt8 ? dx : _mm512_mul_ps(dw, dx);
+      acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), sc, acc[r][i]);
+      if constexpr (kQ41) acc[r][i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(p.e + row), acc[r][i]);
+    }
+  }
+}
+
 template <WeightKind kKind, int NR, int MR>
 void tile(const DynProblem& p, int64_t n, int64_t m0) {
   constexpr int B = is_q4(kKind) ? 16 : 32;
@@ -72,7 +136,8 @@ void tile(const DynProblem& p, int64_t n, int64_t m0) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < p.S; ++s) {
+  const int64_t full = p.tail ? p.S - 1 : p.S;  // super-blocks on full-width steps
+  for (int64_t s = 0; s < full; ++s) {
     const int ng = static_cast<int>(G - s * kSuper < kSuper ? G - s * kSuper : kSuper);
     const __mmask16 mk = static_cast<__mmask16>((1u << ng) - 1u);
     const int64_t lane0 = s * kSuper;
@@ -88,15 +153,27 @@ void tile(const DynProblem& p, int64_t n, int64_t m0) {
         const int64_t row = (m0 + i) * lanes + lane0;
         const int8_t* xs = p.xq + row * 32;
         asm("" : "+r"(xs));  // one base register per row, steps as displacements (not 8 induction pointers)
-        __m512i P = kQ41 ? _mm512_setzero_si512() : _mm512_loadu_si512(p.corr + row);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) P = _mm512_dpbusd_epi32(P, w[j], _mm512_loadu_si512(xs + 64 * j));
+        // two dependency chains of 4 vpdpbusd (exact int sums: any grouping gives P_g)
+        __m512i P = kQ41 ? _mm512_setzero_si512() : _mm512_loadu_si512(p.corr + row), P1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 8; j += 2) {
+          P = _mm512_dpbusd_epi32(P, w[j], _mm512_loadu_si512(xs + 64 * j));
+          P1 = _mm512_dpbusd_epi32(P1, w[j + 1], _mm512_loadu_si512(xs + 64 * j + 64));
+        }
+        P = _mm512_add_epi32(P, P1);
         const __m512 dx = _mm512_loadu_ps(p.dx + row);
         const __m512 sc = kInt8 ? dx : _mm512_mul_ps(dw, dx);
         acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(P), sc, acc[r][i]);
         if constexpr (kQ41) acc[r][i] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(p.e + row), acc[r][i]);
       }
     }
+  }
+  switch (p.tail) {
+    case 1: tail_block<kKind, NR, MR, 1>(p, n, m0, acc); break;
+    case 2: tail_block<kKind, NR, MR, 2>(p, n, m0, acc); break;
+    case 4: tail_block<kKind, NR, MR, 4>(p, n, m0, acc); break;
+    case 8: tail_block<kKind, NR, MR, 8>(p, n, m0, acc); break;
+    default: break;
   }
   for (int r = 0; r < NR; ++r) {
     for (int i = 0; i < MR; ++i) {

@@ -46,6 +46,22 @@ void interleave_rows(const uint8_t* src, uint8_t* dst, int64_t G, int B, int64_t
   }
 }
 
+void tail_activations(const DynProblem& p, int64_t m0, int64_t m1) {
+  const int n2 = p.tail, q4 = block_bytes(p.kind) == 16;
+  const int64_t s = p.S - 1, n = p.G - s * kSuper;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int8_t* xs = act_row(p, m).q + s * 512;  // step j, lane l at 64 j + 4 l
+    int8_t* dst = const_cast<int8_t*>(p.xt) + m * kTailBytes;
+    std::memset(dst, 0, kTailBytes);
+    for (int t = 0; t < (q4 ? 4 : 8); ++t)
+      for (int64_t l = 0; l < n; ++l) {
+        const int64_t lane = t * n2 + l;
+        std::memcpy(dst + 4 * lane, xs + 64 * t + 4 * l, 4);
+        if (q4) std::memcpy(dst + 128 + 4 * lane, xs + 64 * (t + 4) + 4 * l, 4);
+      }
+  }
+}
+
 void quantize_activations(const float* x, int64_t ldx, const DynProblem& p, int64_t m0, int64_t m1) {
   const int64_t G = p.G, lanes = p.S * kSuper;
   const int shift = p.kind == WeightKind::kQ4_0 ? 3 : 7;  // corr = -(S << shift), q4_1: 0
