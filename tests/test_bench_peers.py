@@ -94,9 +94,11 @@ def test_parse_args_defaults_quick_and_errors():
                           "--dtype", "float32", "--threads", "2", "--target-quantize", "q4_1"])
     assert (q.prompts, q.new_tokens, q.repeats) == (2, 32, 2)
     assert q.draft == ["ngram:2:3", "smollm2-135m-draft"] and q.gguf_float == ["f32"] and q.clock == "wall"
-    assert q.target_quantize == "q4_1"
+    assert q.target_quantize == "q4_1" and q.k == [None] and not q.quantized_only
+    k = peers.parse_args(["--k", "1,3", "--target-quantize", "q4_1", "--quantized-only", "--gguf-float", "none"])
+    assert k.k == [1, 3] and k.quantized_only and k.gguf_float == []
     for bad in (["--gguf-float", "q8"], ["--families", "vllm"], ["--families", "llama.cpp"],
-                ["--new-tokens", "0"], ["--k", "0"], ["--dtype", "float16"]):
+                ["--new-tokens", "0"], ["--k", "0"], ["--k", "1,x"], ["--quantized-only"], ["--dtype", "float16"]):
         with pytest.raises(SystemExit):
             peers.parse_args(bad)
 
