@@ -418,11 +418,16 @@ TORCH_LIBRARY_IMPL(specrt, Autograd, m) {
     m.impl(op, torch::CppFunction::makeFallthrough());
 }
 
-// Not tensor ops: build facts and the Philox known-answer hook. Importing this
-// module loads the library above (specrt/ops/library.py is its only importer).
+namespace specrt {
+void bind_layer_stack(pybind11::module_& m);  // csrc/layer_stack.cpp
+}  // namespace specrt
+
+// Not tensor ops: build facts, the Philox known-answer hook and the CPU layer stack. Importing
+// this module loads the library above (specrt/ops/library.py is its only importer).
 PYBIND11_MODULE(_C, m) {
   namespace py = pybind11;
   m.doc() = "specrt compiled kernels (registered as torch.ops.specrt.*); use specrt.ops, not this module";
   m.def("philox4x32_10", &specrt::philox, py::arg("counter"), py::arg("key"));
   m.def("cuda_built", &specrt::cuda_built);
+  specrt::bind_layer_stack(m);
 }

@@ -24,7 +24,9 @@ bfloat16 models then run each layer as ~9 kernels (``_forward_fused``): the resi
 into the next RMSNorm (``ops.rms_norm(residual=)``), RoPE on q and k plus the KV-cache store in one
 pass (``ops.rotary_write_kv``), SwiGLU's silu * up (``ops.silu_mul``); the residual stream stays
 in the model dtype and every op rounds where transformers' modules do, so a bf16 model sees
-transformers' values (float32 differs by ulps: reduction orders, silu's exp).
+transformers' values (float32 differs by ulps: reduction orders, silu's exp). Decode / verify steps
+run those kernels for every layer in one C++ call when the layers qualify (``set_layer_stack``;
+specrt.models.layer_stack): same bits, without ~270 Python dispatches per forward.
 ``set_fused_ops(False)``, GPUs and float16 run the op-by-op torch path (``LlamaDecoderLayer.forward``):
 RoPE from a cos/sin table indexed by position on q and k together (roll + addcmul), RMSNorm's
 sum(x^2) from one ``vector_norm``. Layers are called as plain methods (no nn.Module ``__call__``).
@@ -43,6 +45,7 @@ from specrt import ops
 from specrt.attention import AttentionMetadata, write_kv
 from specrt.models.attention_path import kernel_batch, paged_attention, paged_attention_sdpa  # noqa: F401
 from specrt.models.config import ModelConfig
+from specrt.models.layer_stack import build_layer_stack
 from specrt.models.linear import (KernelPolicy, QuantEmbedding, QuantLinear, fuse_linears, pack_projections,
                                   prepare_linear)
 
@@ -311,8 +314,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.linear_policy = KernelPolicy()  # shared by every prepared projection (set_linear_kernel)
         self.fused_ops = True  # set_fused_ops
+        self.layer_stack = True  # set_layer_stack
         self._prepared = False
         self._fused = False  # prepare(): whether forward runs _forward_fused
+        self._stack = None  # prepare(): the layers' C++ LayerStack for decode / verify steps, if they qualify
 
     # -- fast path: fused q/k/v and gate/up weights, cached weight references (built lazily)
     def prepare(self) -> "LlamaForCausalLM":
@@ -334,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.dtype
         self._fused = (self.fused_ops and self.device.type == "cpu" and dtype in ops.FUSED_DTYPES
                        and all(layer.fusable(dtype) for layer in self.model.layers))
+        self._stack = build_layer_stack(self.model.layers, dtype) if self._fused and self.layer_stack else None
         self._prepared = True
         return self
 
@@ -341,6 +347,12 @@ class LlamaForCausalLM(nn.Module):
         """True (default): on the CPU, float32 / bfloat16 models run each layer on the fused kernels
         (module docstring); False: the op-by-op torch path everywhere (for comparisons)."""
         self.fused_ops = bool(enabled)
+        self._prepared = False
+
+    def set_layer_stack(self, enabled: bool) -> None:
+        """True (default): fused decode / verify steps run every layer in one C++ call when the layers
+        qualify (specrt/models/layer_stack.py); False: the per-op Python loop. Same bits either way."""
+        self.layer_stack = bool(enabled)
         self._prepared = False
 
     def set_linear_kernel(self, max_rows: int) -> None:
@@ -400,6 +412,7 @@ class LlamaForCausalLM(nn.Module):
         False computes it in the model dtype like transformers does."""
         for layer in self.model.layers:
             layer.self_attn.attn_fp32 = enabled
+        self._prepared = False  # the layer stack only runs float32 attention
 
     def set_attention_backend(self, backend: str) -> None:
         """"kernel" (default): decode / verify attention with the paged-attention kernel; "sdpa": the
@@ -408,6 +421,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"backend must be 'kernel' or 'sdpa', got {backend!r}")
         for layer in self.model.layers:
             layer.self_attn.attn_backend = backend
+        self._prepared = False  # the layer stack only runs the kernel backend
 
     def tie_weights(self) -> None:
         # a quantized head / embedding already shares one quantized matrix (quant.quantize_model_)
@@ -484,12 +498,17 @@ class LlamaForCausalLM(nn.Module):
     def _forward_fused(self, x, cos, sin, meta, kv_cache, n: int, logits_indices) -> torch.Tensor:
         """Layers 0..n-1 and the final norm on the fused CPU kernels. x [T, hidden] (the embeddings)
         becomes the residual stream, updated in place; returns the final-normed rows [L, hidden]."""
-        layer_caches = kv_cache.unbind(0)  # one call for every layer's view
         kb = kernel_batch(meta)  # decode / verify batches: every request on the attention kernel
-        layers = self.model.layers
-        delta = None
-        for i in range(n):
-            delta = layers[i].forward_fused(x, delta, cos, sin, meta, kv_cache, layer_caches[i], kb)
+        stack = self._stack
+        if stack is not None and kb is not None and x.shape[0] <= self.linear_policy.max_rows and x.is_contiguous():
+            delta = stack.run(x, cos, sin, kv_cache, meta.slot_mapping, kb.block_tables, kb.seq_lens,
+                              kb.query_start_loc, kb.max_q, kb.max_s, n)  # the loop below, in C++
+        else:
+            layer_caches = kv_cache.unbind(0)  # one call for every layer's view
+            layers = self.model.layers
+            delta = None
+            for i in range(n):
+                delta = layers[i].forward_fused(x, delta, cos, sin, meta, kv_cache, layer_caches[i], kb)
         norm = self.model.norm
         if logits_indices is None:
             return _ADD_NORM(x, delta, norm.weight, norm.eps)

@@ -25,6 +25,11 @@ def cuda_built() -> bool:
     return _CUDA_BUILT
 
 
+def layer_stack_class():
+    """``specrt._C.LayerStack``: a CPU model's decode / verify layers in one call (specrt/models/layer_stack.py)."""
+    return _C.LayerStack
+
+
 def philox4x32_10_words(counter: list[int], key: list[int]) -> list[int]:
     """The extension's Philox4x32-10 on 32-bit words (ops.philox4x32_10 checks the arguments)."""
     return list(_C.philox4x32_10(counter, key))
