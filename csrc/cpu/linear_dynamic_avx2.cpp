@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cpu/linear_dynamic.h"
+#include "cpu/linear_dynamic_tiles.h"
 
 namespace specrt::linear {
 namespace {
@@ -220,28 +221,10 @@ void tile(const DynProblem& p, int64_t n, int64_t m0) {
     }
 }
 
-constexpr int kMR = 4;
-
-template <WeightKind kKind, int NR>
-void tiles(const DynProblem& p, int64_t n) {
-  int64_t m = 0;
-  for (; m + kMR <= p.M; m += kMR) tile<kKind, NR, kMR>(p, n, m);
-  switch (p.M - m) {
-    case 3: tile<kKind, NR, 3>(p, n, m); break;
-    case 2: tile<kKind, NR, 2>(p, n, m); break;
-    case 1: tile<kKind, NR, 1>(p, n, m); break;
-    default: break;
-  }
-}
-
-template <WeightKind kKind>
-void run(const DynProblem& p, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (p.M <= 2) {  // few x rows: more weight rows in flight
-    for (; n + 2 <= n1; n += 2) tiles<kKind, 2>(p, n);
-  }
-  for (; n < n1; ++n) tiles<kKind, 1>(p, n);
-}
+template <WeightKind kKind, int NR, int MR>
+struct Tile {
+  static void run(const DynProblem& p, int64_t n, int64_t m0) { tile<kKind, NR, MR>(p, n, m0); }
+};
 
 }  // namespace
 
@@ -295,13 +278,7 @@ void quantize_activations_avx2(const float* x, int64_t ldx, const DynProblem& p,
 }
 
 void dynamic_rows_avx2(const DynProblem& p, int64_t n0, int64_t n1) {
-  switch (p.kind) {
-    case WeightKind::kInt8: run<WeightKind::kInt8>(p, n0, n1); break;
-    case WeightKind::kQ8_0: run<WeightKind::kQ8_0>(p, n0, n1); break;
-    case WeightKind::kQ4_0: run<WeightKind::kQ4_0>(p, n0, n1); break;
-    case WeightKind::kQ4_1: run<WeightKind::kQ4_1>(p, n0, n1); break;
-    default: break;
-  }
+  run_kind<Tile, 4, 2>(p, n0, n1);  // x rows 4 per tile; 2 weight rows when M <= 2
 }
 
 }  // namespace specrt::linear
