@@ -10,12 +10,14 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <utility>
 
 #include "cpu/linear_dynamic.h"
-#include "cpu/linear_dynamic_tiles.h"
 
 namespace specrt::linear {
 namespace {
+
+#include "cpu/linear_dynamic_tiles.h"  // is_q4, store, run_kind
 
 constexpr int64_t kAhead = 16384;  // software prefetch distance in each weight row's stream
 
@@ -26,20 +28,6 @@ inline float tree(__m256 a, __m256 b) {
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-
-inline void store(const DynProblem& p, int64_t m, int64_t n, float y) {
-  if (p.bias) y = y + p.bias[n];
-  if (!p.y_bf16) {
-    static_cast<float*>(p.y)[m * p.N + n] = y;
-    return;
-  }
-  uint32_t u;
-  __builtin_memcpy(&u, &y, 4);
-  static_cast<uint16_t*>(p.y)[m * p.N + n] =
-      y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-constexpr bool is_q4(WeightKind k) { return k == WeightKind::kQ4_0 || k == WeightKind::kQ4_1; }
 
 // 8 fp16 values as floats; nh < 8: the first nh, the rest 0 (never read past the row).
 inline __m256 load_h8(const uint16_t* src, int nh) {

@@ -6,11 +6,14 @@
 // called after a run-time CPU check.
 #include <immintrin.h>
 
+#include <utility>
+
 #include "cpu/linear_dynamic.h"
-#include "cpu/linear_dynamic_tiles.h"
 
 namespace specrt::linear {
 namespace {
+
+#include "cpu/linear_dynamic_tiles.h"  // is_q4, store, run_kind
 
 // software prefetch in each weight row's stream: far ahead into L2, near ahead from L2 into L1
 constexpr int64_t kAhead = 16384, kNear = 1024;
@@ -21,20 +24,6 @@ inline float tree(__m512 a) {  // the fixed tree of linear_kernel.h
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
-
-inline void store(const DynProblem& p, int64_t m, int64_t n, float y) {
-  if (p.bias) y = y + p.bias[n];
-  if (!p.y_bf16) {
-    static_cast<float*>(p.y)[m * p.N + n] = y;
-    return;
-  }
-  uint32_t u;
-  __builtin_memcpy(&u, &y, 4);
-  static_cast<uint16_t*>(p.y)[m * p.N + n] =
-      y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-constexpr bool is_q4(WeightKind k) { return k == WeightKind::kQ4_0 || k == WeightKind::kQ4_1; }
 
 // The 8 unsigned weight operands of super-block s of one row (step j pairs with x step j); ng
 // blocks, the rest of the lanes zero.

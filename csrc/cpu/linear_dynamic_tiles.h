@@ -1,15 +1,24 @@
-// csrc/cpu/linear_dynamic_tiles.h — the tiling driver the SIMD int8-activation paths share
-// (linear_dynamic_avx2.cpp, linear_dynamic_avx512vnni.cpp; each instantiates it with its own tile
-// and ISA flags). Tile<kKind, NR, MR>::run(p, n, m0) computes weight rows n..n+NR-1 for x rows
-// m0..m0+MR-1; a row's result never depends on the tile it was computed in.
-#pragma once
+// csrc/cpu/linear_dynamic_tiles.h — what the SIMD int8-activation paths share
+// (linear_dynamic_avx2.cpp, linear_dynamic_avx512vnni.cpp): the output store and the tiling driver.
+// Included inside each file's anonymous namespace (after linear_dynamic.h and <utility>), so each
+// ISA gets its own internal copy compiled with its own flags (no cross-ISA inline merging).
+// Tile<kKind, NR, MR>::run(p, n, m0) computes weight rows n..n+NR-1 for x rows m0..m0+MR-1; a
+// row's result never depends on the tile it was computed in.
 
-#include <type_traits>
-#include <utility>
+constexpr bool is_q4(WeightKind k) { return k == WeightKind::kQ4_0 || k == WeightKind::kQ4_1; }
 
-#include "cpu/linear_dynamic.h"
-
-namespace specrt::linear {
+// y[m, n] = y (+ bias), as float or round-to-nearest-even bf16.
+inline void store(const DynProblem& p, int64_t m, int64_t n, float y) {
+  if (p.bias) y = y + p.bias[n];
+  if (!p.y_bf16) {
+    static_cast<float*>(p.y)[m * p.N + n] = y;
+    return;
+  }
+  uint32_t u;
+  __builtin_memcpy(&u, &y, 4);
+  static_cast<uint16_t*>(p.y)[m * p.N + n] =
+      y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 // Output columns [n0, n1) of every x row: tiles of kMR x rows (the remainder in one smaller tile),
 // kNRFew weight rows at a time while M <= 2 (more weight rows in flight when few x rows share
@@ -42,5 +51,3 @@ void run_kind(const DynProblem& p, int64_t n0, int64_t n1) {
     default: break;
   }
 }
-
-}  // namespace specrt::linear
