@@ -58,7 +58,8 @@ from torch import nn
 
 from specrt.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
-from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding, rms_norm, rope_operands
+from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from specrt.models.rope import RMSNorm, RotaryEmbedding, rms_norm, rope_operands
 
 ARCHITECTURE = "SpecrtDraftModel"
 KINDS = ("feature", "layers")

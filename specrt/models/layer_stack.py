@@ -10,23 +10,32 @@ prefill, keeps the Python path.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from specrt.models.linear import FloatLinear, QuantCall
 from specrt.ops.library import layer_stack_class
 
-# (weight, scales, mins, bias, kind, dynamic): one projection as csrc/layer_stack.cpp takes it
-ProjSpec = tuple
+
+class ProjSpec(NamedTuple):
+    """One projection as csrc/layer_stack.cpp runs it (a tuple on the C++ side, fields in this order)."""
+    weight: torch.Tensor                # [N, K] float, or the quantized bytes as prepared
+    scales: torch.Tensor | None         # quantized kinds: int8 [N] float, else [N, K/32] fp16
+    mins: torch.Tensor | None           # q4_1: [N, K/32] fp16
+    bias: torch.Tensor | None           # [N]
+    kind: str                           # "float", "int8", "q8_0", "q4_0", "q4_1"
+    dynamic: bool                       # int8 activations on interleaved weights
 
 
 def projection_spec(fn) -> ProjSpec | None:
     """What the stack needs to run prepared projection ``fn`` on its kernel, or None if it cannot."""
     if type(fn) is FloatLinear:
-        return (fn.weight, None, None, fn.bias, "float", False) if fn.kernel else None
+        return ProjSpec(fn.weight, None, None, fn.bias, "float", False) if fn.kernel else None
     if type(fn) is QuantCall and fn.fast:
         weight, scales, mins, bias, kind = fn.args
-        return (weight, scales, mins, bias, kind, fn.dynamic)
+        return ProjSpec(weight, scales, mins, bias, kind, fn.dynamic)
     return None
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specrt.models.draft_model import DraftConfig, DraftModel
-from specrt.models.llama import rms_norm
+from specrt.models.rope import rms_norm
 from specrt.training.teacher import TeacherShard
 from specrt.training.vocab import ReducedVocab
 
