@@ -317,6 +317,7 @@ class Kernel {
     float *kbuf, *vbuf;             // [kTileKeys][D]: one kv head's tile
     float* kt;                      // [kTileKeys][D]: the narrow tile's transposed keys
     const uint16_t* rows[kTileKeys];  // a direct narrow tile's K rows (this kv head)
+    Prefetch prefetch;                // the next tile's cache lines
     int64_t off[kTileKeys];           // and their offsets for kv head 0
     Scratch(int64_t num_groups, int D) : buf(num_groups * (2 * D + 2) * kLanes + 3 * kTileKeys * D),
                                          groups(num_groups) {
@@ -397,22 +398,28 @@ class Kernel {
     }
   }
 
-  // Asks for the next tile's cache lines while this one is computed (its blocks are anywhere in memory).
-  void prefetch_tile(int64_t b, int64_t k0, int64_t k1) const {
+  // The cache lines of keys [k0, k1) of request b (K and V rows, every kv head), queued in sc.prefetch:
+  // the narrow tile requests them a few per score step while this tile is computed.
+  void queue_prefetch(int64_t b, int64_t k0, int64_t k1, Scratch& sc) const {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
     const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
     const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
-    const int64_t plane_bytes = plane_ * a_.kv_cache.element_size();
-    for (int64_t kp = k0; kp < k1;) {
+    Prefetch& p = sc.prefetch;
+    p.plane = plane_ * a_.kv_cache.element_size();
+    p.segs = p.s = 0;
+    p.x = 0;
+    int64_t lines = 0;
+    for (int64_t kp = k0; kp < k1;) {  // one block segment at a time
       const int64_t off = kp % bs_;
       const int64_t n = std::min(k1 - kp, bs_ - off);
-      const char* src = base + (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row_bytes;
-      for (int64_t x = 0; x < n * row_bytes; x += 64) {
-        __builtin_prefetch(src + x, 0, 2);
-        __builtin_prefetch(src + plane_bytes + x, 0, 2);
-      }
+      p.seg[p.segs] = base + (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row_bytes;
+      p.seg_bytes[p.segs++] = n * row_bytes;
+      lines += (n * row_bytes + 63) / 64;
       kp += n;
     }
+    // every kv head runs at least one score pass of D steps: drained by the last head's scores
+    p.pairs_per_step = static_cast<int>((lines + Hkv_ * D_ - 1) / (Hkv_ * D_));
+    if (!narrow_) p.drain();  // the other tiles take them in one burst
   }
 
   void process(const Item& it, Scratch& sc) const {
@@ -428,7 +435,8 @@ class Kernel {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + it.b * M_;
     for (int64_t t0 = key_begin - key_begin % kTileKeys; t0 < key_end; t0 += kTileKeys) {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
-      if (t0 + kTileKeys < key_end) prefetch_tile(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end));
+      // the next tile, also across the chunk's end (the same thread usually takes the next chunk)
+      queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, r.seq_len), sc);
       if (direct_) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
         int64_t blk = k0 / bs_, o = k0 % bs_;
         for (int64_t j = 0; j < kTileKeys; ++j) {
@@ -442,6 +450,7 @@ class Kernel {
       }
       for (int64_t h = 0; h < Hkv_; ++h) {
         Tile tile{sc.kbuf, sc.vbuf, D_, static_cast<int>(k1 - k0), static_cast<int32_t>(k0), sc.kt};
+        tile.prefetch = &sc.prefetch;
         if (direct_) {
           for (int64_t j = 0; j < kTileKeys; ++j) sc.rows[j] = cache16 + sc.off[j] + h * D_;
           tile.rows = sc.rows;
@@ -458,6 +467,7 @@ class Kernel {
           (narrow_ ? (direct_ ? isa_.narrow_bf16 : isa_.narrow) : isa_.tile)(tile, g, D_, window, masked);
         }
       }
+      sc.prefetch.drain();  // what skipped groups left
     }
     for (int64_t h = 0; h < Hkv_; ++h) finish(r, h, it.c, sc.groups.data() + h * num_groups);
   }

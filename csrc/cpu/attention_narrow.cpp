@@ -89,7 +89,17 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
                                         float (*s)[kTileKeys]) {
   __m512 a[2][NL];
   for (int i = 0; i < NL; ++i) a[0][i] = a[1][i] = _mm512_setzero_ps();
+  // the next tile's prefetch cursor in locals (registers), stored back once: no memory round trip
+  Prefetch* const pf = t.prefetch;
+  int seg = pf != nullptr ? pf->s : 0;
+  const int segs = pf != nullptr ? pf->segs : 0, pairs = pf != nullptr ? pf->pairs_per_step : 0;
+  int64_t x = pf != nullptr ? pf->x : 0;
   for (int d = 0; d < D; ++d) {
+    for (int k = 0; k < pairs && seg < segs; ++k) {
+      __builtin_prefetch(pf->seg[seg] + x, 0, 2);
+      __builtin_prefetch(pf->seg[seg] + pf->plane + x, 0, 2);
+      if ((x += 64) >= pf->seg_bytes[seg]) x = 0, ++seg;
+    }
     const __m512 k0 = _mm512_loadu_ps(t.kt + d * 16), k1 = _mm512_loadu_ps(t.kt + (D + d) * 16);
     for (int i = 0; i < NL; ++i) {
       const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
@@ -97,6 +107,7 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
       a[1][i] = _mm512_fmadd_ps(qd, k1, a[1][i]);
     }
   }
+  if (pf != nullptr) pf->s = seg, pf->x = x;
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int i = 0; i < NL; ++i) {

@@ -28,6 +28,29 @@ struct LaneGroup {
   int live;     // lanes holding a real query (1..16)
 };
 
+// The next tile's cache lines, requested a few per step of the narrow tile's score loop while this
+// tile is computed: spread over its arithmetic rather than issued in one burst that stalls the core
+// on its fill buffers (bench/README.md, paged attention). The tile's keys are a few contiguous block
+// segments of K rows; each V line is `plane` bytes after its K line.
+struct Prefetch {
+  const char* seg[kTileKeys + 1];
+  int64_t seg_bytes[kTileKeys + 1];
+  int64_t plane = 0;
+  int segs = 0;
+  int s = 0;           // cursor: segment s, byte x
+  int64_t x = 0;
+  int pairs_per_step = 0;  // K + V line pairs per score step
+  // Up to `pairs` line pairs from the cursor.
+  void issue(int pairs) {
+    for (; pairs > 0 && s < segs; --pairs) {
+      __builtin_prefetch(seg[s] + x, 0, 2);
+      __builtin_prefetch(seg[s] + plane + x, 0, 2);
+      if ((x += 64) >= seg_bytes[s]) x = 0, ++s;
+    }
+  }
+  void drain() { issue(1 << 30); }
+};
+
 // Keys k0 .. k0+n-1 of one tile for one kv head, converted to float: key j's row is k + j * stride.
 struct Tile {
   const float* k;
@@ -40,6 +63,7 @@ struct Tile {
   // is vplane elements further (rows past n repeat row n - 1)
   const uint16_t* const* rows = nullptr;
   int64_t vplane = 0;
+  Prefetch* prefetch = nullptr;  // the next tile's lines (narrow tile; null: none)
 };
 
 // max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
