@@ -319,9 +319,10 @@ class Kernel {
     const uint16_t* rows[kTileKeys];  // a direct narrow tile's K rows (this kv head)
     Prefetch prefetch;                // the next tile's cache lines
     int64_t off[kTileKeys];           // and their offsets for kv head 0
-    Scratch(int64_t num_groups, int D) : buf(num_groups * (2 * D + 2) * kLanes + 3 * kTileKeys * D),
+    Scratch(int64_t num_groups, int D) : buf(num_groups * (2 * D + 2) * kLanes + 3 * kTileKeys * D + 16),
                                          groups(num_groups) {
-      float* p = buf.data();
+      // every part is a multiple of 16 floats: from a 64-byte aligned start, no vector load splits a line
+      float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
       for (auto& g : groups) {
         g.qt = p, p += D * kLanes;
         g.acc = p, p += D * kLanes;
