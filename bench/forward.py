@@ -134,13 +134,14 @@ def streamed_bytes(model: LlamaForCausalLM) -> int:
 
 def forward_fns(model: LlamaForCausalLM, context: int) -> dict:
     """fn(q) running a q-token forward (q = 1 decode, 5 verify) at ``context`` tokens of cache."""
-    cache = PagedKVCache({"target": model.config}, 64, 16, dtype=model.dtype)
+    per_request = -(-(context + 5) // 16)  # blocks of 16 for the context and a 5-token verify
+    cache = PagedKVCache({"target": model.config}, 2 * per_request, 16, dtype=model.dtype)
     g = torch.Generator().manual_seed(0)
     fns = {}
     for q in (1, 5):
         rid = f"r{q}"
         prompt = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
-        cache.allocate(rid, prompt)
+        assert cache.allocate(rid, prompt) is not None, f"no KV blocks for a {context}-token context"
         meta = cache.metadata([rid], [context])
         ids = torch.tensor(prompt)
         model(ids, torch.arange(context), meta, cache["target"])  # prefill
