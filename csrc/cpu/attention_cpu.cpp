@@ -8,7 +8,7 @@
 // queries of the request that share the kv head (G query heads x query_len
 // new tokens) are "lanes": 16 lanes form a group held in one AVX-512 vector,
 // so every K/V row is loaded once per tile for all of them. The hot tile
-// update has an AVX-512 version (intrinsics) and a portable version compiled
+// update has an AVX-512 version (attention_avx512.cpp) and a portable one compiled
 // twice (AVX2+FMA and baseline); all three return the same bits. A group with
 // few live lanes (decode: G heads x 1 token) wastes most of a 16-lane vector,
 // so with AVX-512 groups take a "narrow" tile instead, with keys (scores) and
@@ -106,8 +106,6 @@ __attribute__((always_inline)) inline void combine_portable(const float* part, i
 }
 
 // Cache elements -> float (exact for every kind).
-enum CacheKind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
 __attribute__((always_inline)) inline void convert_portable(const void* src, int kind, int64_t n, float* dst) {
   if (kind == kF32) {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
@@ -142,91 +140,10 @@ SPECRT_AVX2 void convert_avx2(const void* src, int kind, int64_t n, float* dst) 
 }
 
 // ---------------------------------------------------------------- AVX-512 version
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
-// Scores of NK consecutive keys (independent fma chains over d hide the latency).
-template <int NK>
-SPECRT_AVX512 inline void scores_avx512(const float* k, int64_t stride, const float* qt, int D, float* s) {
-  __m512 a[NK];
-  for (int j = 0; j < NK; ++j) a[j] = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) {
-    const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
-    for (int j = 0; j < NK; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[j * stride + d]), a[j]);
-  }
-  for (int j = 0; j < NK; ++j) _mm512_storeu_ps(s + j * kLanes, a[j]);
-}
-
-// acc rows d0 .. d0+R-1 += p_j * v_j[d] over the tile's keys (accumulators stay in registers).
-template <int R>
-SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha, int D, int d0, float* acc) {
-  __m512 o[R];
-  for (int r = 0; r < R; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + r) * kLanes), alpha);
-  for (int j = 0; j < t.n; ++j) {
-    const __m512 p = _mm512_loadu_ps(s + j * kLanes);
-    const float* vj = t.v + j * t.stride + d0;
-    for (int r = 0; r < R; ++r) o[r] = _mm512_fmadd_ps(p, _mm512_set1_ps(vj[r]), o[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (d0 + r) * kLanes, o[r]);
-}
-
-SPECRT_AVX512 void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
-  alignas(64) float s[kTileKeys * kLanes];
-  int j = 0;
-  for (; j + 8 <= t.n; j += 8) scores_avx512<8>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
-  for (; j < t.n; ++j) scores_avx512<1>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
-  if (masked) {
-    const __m512i pos = _mm512_loadu_si512(g.pos);
-    const __m512i pos_w = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
-    for (j = 0; j < t.n; ++j) {
-      const __m512i kp = _mm512_set1_epi32(t.k0 + j);
-      __mmask16 visible = _mm512_cmple_epi32_mask(kp, pos);
-      if (window != 0) visible &= _mm512_cmplt_epi32_mask(pos_w, kp);
-      _mm512_storeu_ps(s + j * kLanes, _mm512_mask_blend_ps(visible, neg_inf, _mm512_loadu_ps(s + j * kLanes)));
-    }
-  }
-  __m512 mt = neg_inf;
-  for (j = 0; j < t.n; ++j) mt = _mm512_max_ps(mt, _mm512_loadu_ps(s + j * kLanes));
-  const __m512 m_old = _mm512_loadu_ps(g.m);
-  const __m512 m_new = _mm512_max_ps(m_old, mt);
-  const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
-                                             _mm512_setzero_ps());
-  const __m512 alpha = exp2_avx512(_mm512_sub_ps(m_old, m_safe));
-  _mm512_storeu_ps(g.m, m_new);
-  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(g.l), alpha);
-  for (j = 0; j < t.n; ++j) {
-    const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j * kLanes), m_safe));
-    _mm512_storeu_ps(s + j * kLanes, p);
-    l = _mm512_add_ps(l, p);
-  }
-  _mm512_storeu_ps(g.l, l);
-  int d = 0;
-  for (; d + 16 <= D; d += 16) pv_avx512<16>(t, s, alpha, D, d, g.acc);
-  for (; d < D; ++d) pv_avx512<1>(t, s, alpha, D, d, g.acc);
-}
-
+// The tiles and the conversion are in attention_avx512.cpp; the combine is the portable code.
 SPECRT_AVX512 void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
   combine_portable(part, chunks, stride, D, a, out);
 }
-
-SPECRT_AVX512 void convert_avx512(const void* src, int kind, int64_t n, float* dst) {
-  if (kind == kF32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
-    const __m512 f = kind == kBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))
-                                   : _mm512_cvtph_ps(x);
-    _mm512_storeu_ps(dst + i, f);
-  }
-  for (; i < n; ++i) dst[i] = kind == kBF16 ? attn::bf16_bits_to_float(h[i]) : attn::half_bits_to_float(h[i]);
-}
-#pragma GCC diagnostic pop
 
 // ---------------------------------------------------------------- dispatch
 struct Isa {

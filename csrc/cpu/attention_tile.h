@@ -1,5 +1,5 @@
 // csrc/cpu/attention_tile.h — what the CPU paged-attention driver (attention_cpu.cpp) and its
-// narrow AVX-512 tile (attention_narrow.cpp) share: a lane group's state, a tile of keys, and the
+// AVX-512 tiles (attention_avx512.cpp) share: a lane group's state, a tile of keys, and the
 // vector exp2 of specrt/attention.h. Internal to the CPU kernel.
 #pragma once
 
@@ -16,6 +16,9 @@ using attn::kLanes;
 using attn::kTileKeys;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Cache element kinds (the kernel's `kind` argument).
+enum CacheKind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // Up to 16 queries of one (request, kv head); buffers are transposed [D][16].
 struct LaneGroup {
@@ -40,15 +43,16 @@ struct Prefetch {
   int s = 0;           // cursor: segment s, byte x
   int64_t x = 0;
   int pairs_per_step = 0;  // K + V line pairs per score step
-  // Up to `pairs` line pairs from the cursor.
-  void issue(int pairs) {
-    for (; pairs > 0 && s < segs; --pairs) {
-      __builtin_prefetch(seg[s] + x, 0, 2);
-      __builtin_prefetch(seg[s] + plane + x, 0, 2);
-      if ((x += 64) >= seg_bytes[s]) x = 0, ++s;
+  // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
+  // cursor held in registers.
+  void issue(int& s_, int64_t& x_, int pairs) const {
+    for (; pairs > 0 && s_ < segs; --pairs) {
+      __builtin_prefetch(seg[s_] + x_, 0, 2);
+      __builtin_prefetch(seg[s_] + plane + x_, 0, 2);
+      if ((x_ += 64) >= seg_bytes[s_]) x_ = 0, ++s_;
     }
   }
-  void drain() { issue(1 << 30); }
+  void drain() { issue(s, x, 1 << 30); }
 };
 
 // Keys k0 .. k0+n-1 of one tile for one kv head, converted to float: key j's row is k + j * stride.
@@ -105,6 +109,10 @@ SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
 void transpose_tile_avx512(const Tile& t, int D, bool direct);
 // A group's update from t.kt and V from the float tile t.v, or (bf16) from the cache rows t.rows.
 void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+// The 16-lane tile (every group as wide as the vector; ISA level 2 and groups the narrow tile does not
+// take), from the float tile t.k / t.v; and cache elements of `kind` -> float.
+void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+void convert_avx512(const void* src, int kind, int64_t n, float* dst);
 void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 
 }  // namespace specrt::attn_cpu

@@ -1,10 +1,12 @@
-// The narrow tile of the CPU paged-attention kernel (AVX-512). The driver's 16-lane tile puts a
-// group's queries along the vector, so a decode (G = 3 queries per kv head) fills 3 of 16 lanes; this
-// tile puts keys (scores: 16 keys x D transposed in registers) or head dims (p * v) along the vector
-// instead, and does per lane the same fmas, maxima, exp2s and sums in the same order as the wide tile
-// (attention_cpu.cpp), so it returns the same bits at a cost proportional to the live lanes. On a
-// bf16 cache it reads K and V in place (a bf16 pair per 32-bit element: one transpose per 32 dims).
-// Compiled with the AVX-512 target attribute, called only after the driver's run-time CPU check.
+// The AVX-512 tiles of the CPU paged-attention kernel. The 16-lane (wide) tile puts a group's queries
+// along the vector. The narrow tile puts keys (scores: 16 keys x D transposed in registers) or head dims
+// (p * v) along the vector instead, so a decode (G = 3 queries per kv head) does not fill 3 of 16 lanes;
+// per lane it does the same fmas, maxima, exp2s and sums in the same order as the wide tile, so it
+// returns the same bits at a cost proportional to the live lanes. On a bf16 cache it reads K and V in
+// place (a bf16 pair per 32-bit element: one transpose per 32 dims). Compiled with the AVX-512 target
+// attribute, called only after the driver's run-time CPU check.
+#include <cstring>
+
 #include "cpu/attention_tile.h"
 
 namespace specrt::attn_cpu {
@@ -89,17 +91,13 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
                                         float (*s)[kTileKeys]) {
   __m512 a[2][NL];
   for (int i = 0; i < NL; ++i) a[0][i] = a[1][i] = _mm512_setzero_ps();
-  // the next tile's prefetch cursor in locals (registers), stored back once: no memory round trip
+  // a few of the next tile's lines per step, the cursor in locals (registers) and stored back once
   Prefetch* const pf = t.prefetch;
   int seg = pf != nullptr ? pf->s : 0;
-  const int segs = pf != nullptr ? pf->segs : 0, pairs = pf != nullptr ? pf->pairs_per_step : 0;
   int64_t x = pf != nullptr ? pf->x : 0;
+  const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
   for (int d = 0; d < D; ++d) {
-    for (int k = 0; k < pairs && seg < segs; ++k) {
-      __builtin_prefetch(pf->seg[seg] + x, 0, 2);
-      __builtin_prefetch(pf->seg[seg] + pf->plane + x, 0, 2);
-      if ((x += 64) >= pf->seg_bytes[seg]) x = 0, ++seg;
-    }
+    if (pairs > 0) pf->issue(seg, x, pairs);
     const __m512 k0 = _mm512_loadu_ps(t.kt + d * 16), k1 = _mm512_loadu_ps(t.kt + (D + d) * 16);
     for (int i = 0; i < NL; ++i) {
       const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
@@ -188,6 +186,33 @@ SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t windo
   }
 }
 
+// ---------------------------------------------------------------- the 16-lane (wide) tile
+// Scores of NK consecutive keys (independent fma chains over d hide the latency).
+template <int NK>
+SPECRT_AVX512 inline void scores_avx512(const float* k, int64_t stride, const float* qt, int D, float* s) {
+  __m512 a[NK];
+  for (int j = 0; j < NK; ++j) a[j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 qd = _mm512_loadu_ps(qt + d * kLanes);
+    for (int j = 0; j < NK; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[j * stride + d]), a[j]);
+  }
+  for (int j = 0; j < NK; ++j) _mm512_storeu_ps(s + j * kLanes, a[j]);
+}
+
+// acc rows d0 .. d0+R-1 += p_j * v_j[d] over the tile's keys (accumulators stay in registers).
+template <int R>
+SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha, int D, int d0, float* acc) {
+  __m512 o[R];
+  for (int r = 0; r < R; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + r) * kLanes), alpha);
+  for (int j = 0; j < t.n; ++j) {
+    const __m512 p = _mm512_loadu_ps(s + j * kLanes);
+    const float* vj = t.v + j * t.stride + d0;
+    for (int r = 0; r < R; ++r) o[r] = _mm512_fmadd_ps(p, _mm512_set1_ps(vj[r]), o[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (d0 + r) * kLanes, o[r]);
+}
+
+// ---------------------------------------------------------------- the narrow tile's entry
 template <bool kDirect>
 SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   switch (g.live) {
@@ -213,6 +238,62 @@ SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t win
 #pragma GCC diagnostic pop
 
 }  // namespace
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+SPECRT_AVX512 void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  alignas(64) float s[kTileKeys * kLanes];
+  int j = 0;
+  for (; j + 8 <= t.n; j += 8) scores_avx512<8>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
+  for (; j < t.n; ++j) scores_avx512<1>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  if (masked) {
+    const __m512i pos = _mm512_loadu_si512(g.pos);
+    const __m512i pos_w = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
+    for (j = 0; j < t.n; ++j) {
+      const __m512i kp = _mm512_set1_epi32(t.k0 + j);
+      __mmask16 visible = _mm512_cmple_epi32_mask(kp, pos);
+      if (window != 0) visible &= _mm512_cmplt_epi32_mask(pos_w, kp);
+      _mm512_storeu_ps(s + j * kLanes, _mm512_mask_blend_ps(visible, neg_inf, _mm512_loadu_ps(s + j * kLanes)));
+    }
+  }
+  __m512 mt = neg_inf;
+  for (j = 0; j < t.n; ++j) mt = _mm512_max_ps(mt, _mm512_loadu_ps(s + j * kLanes));
+  const __m512 m_old = _mm512_loadu_ps(g.m);
+  const __m512 m_new = _mm512_max_ps(m_old, mt);
+  const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
+                                             _mm512_setzero_ps());
+  const __m512 alpha = exp2_avx512(_mm512_sub_ps(m_old, m_safe));
+  _mm512_storeu_ps(g.m, m_new);
+  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(g.l), alpha);
+  for (j = 0; j < t.n; ++j) {
+    const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j * kLanes), m_safe));
+    _mm512_storeu_ps(s + j * kLanes, p);
+    l = _mm512_add_ps(l, p);
+  }
+  _mm512_storeu_ps(g.l, l);
+  int d = 0;
+  for (; d + 16 <= D; d += 16) pv_avx512<16>(t, s, alpha, D, d, g.acc);
+  for (; d < D; ++d) pv_avx512<1>(t, s, alpha, D, d, g.acc);
+}
+
+SPECRT_AVX512 void convert_avx512(const void* src, int kind, int64_t n, float* dst) {
+  if (kind == kF32) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+    return;
+  }
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i));
+    const __m512 f = kind == kBF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16))
+                                   : _mm512_cvtph_ps(x);
+    _mm512_storeu_ps(dst + i, f);
+  }
+  for (; i < n; ++i) dst[i] = kind == kBF16 ? attn::bf16_bits_to_float(h[i]) : attn::half_bits_to_float(h[i]);
+}
+#pragma GCC diagnostic pop
 
 void transpose_tile_avx512(const Tile& t, int D, bool direct) {
   for (int b = 0; b < 2; ++b) {  // keys 16 b .. 16 b + 15 as [D][16] (rows past t.n: stale, never used)
