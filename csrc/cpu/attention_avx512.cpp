@@ -63,8 +63,9 @@ SPECRT_AVX512 inline void transpose_keys_bf16(const uint16_t* const* rows, int c
   }
 }
 
-// acc[i][c .. c+CH) = acc * alpha_i, then += p_i[j] * v_j in key order (CH 16-float chunks of D).
-template <int NL, int CH, bool kDirect>
+// acc[i][c .. c+CH) = acc * alpha_i, then += p_i[j] * v_j in key order (CH 16-float chunks of D; V from
+// the float tile).
+template <int NL, int CH>
 SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int c,
                                     float* acc) {
   __m512 o[NL][CH];
@@ -72,17 +73,45 @@ SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], 
     for (int x = 0; x < CH; ++x)
       o[i][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * (c + x)), _mm512_set1_ps(alpha[i]));
   for (int j = 0; j < t.n; ++j) {
-    const float* vj = kDirect ? nullptr : t.v + j * t.stride + 16 * c;
-    const uint16_t* vh = kDirect ? t.rows[j] + t.vplane + 16 * c : nullptr;
+    const float* vj = t.v + j * t.stride + 16 * c;
     for (int x = 0; x < CH; ++x) {
-      const __m512 v = kDirect ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vh + 16 * x))), 16))
-                               : _mm512_loadu_ps(vj + 16 * x);
+      const __m512 v = _mm512_loadu_ps(vj + 16 * x);
       for (int i = 0; i < NL; ++i) o[i][x] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][j]), v, o[i][x]);
     }
   }
   for (int i = 0; i < NL; ++i)
     for (int x = 0; x < CH; ++x) _mm512_storeu_ps(acc + i * D + 16 * (c + x), o[i][x]);
+}
+
+// The same on a bf16 cache read in place, 32 dims (one 64-byte line of a V row) per load: a bf16 pair
+// per 32-bit element gives the even dims (<< 16) and the odd ones (high half) with one op each, so a
+// lane's acc is kept [D / 32][even 16 | odd 16] (the driver's finish puts the dims back in order).
+// acc[i][32 c .. 32 (c + CH)) = acc * alpha_i, then += p_i[j] * v_j in key order.
+template <int NL, int CH>
+SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int c,
+                                   float* acc) {
+  __m512 o[NL][CH][2];
+  for (int i = 0; i < NL; ++i)
+    for (int x = 0; x < CH; ++x)
+      for (int e = 0; e < 2; ++e)
+        o[i][x][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 32 * (c + x) + 16 * e), _mm512_set1_ps(alpha[i]));
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < t.n; ++j) {
+    const uint16_t* vh = t.rows[j] + t.vplane + 32 * c;
+    for (int x = 0; x < CH; ++x) {
+      const __m512i pair = _mm512_loadu_si512(vh + 32 * x);
+      const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(pair, hi));
+      for (int i = 0; i < NL; ++i) {
+        const __m512 pij = _mm512_set1_ps(p[i][j]);
+        o[i][x][0] = _mm512_fmadd_ps(pij, ve, o[i][x][0]);
+        o[i][x][1] = _mm512_fmadd_ps(pij, vo, o[i][x][1]);
+      }
+    }
+  }
+  for (int i = 0; i < NL; ++i)
+    for (int x = 0; x < CH; ++x)
+      for (int e = 0; e < 2; ++e) _mm512_storeu_ps(acc + i * D + 32 * (c + x) + 16 * e, o[i][x][e]);
 }
 
 // Scores of lanes i0 .. i0+NL-1 over the tile's keys (t.kt transposed), masked, into s[i0 + i].
@@ -96,8 +125,9 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
   int seg = pf != nullptr ? pf->s : 0;
   int64_t x = pf != nullptr ? pf->x : 0;
   const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
+  const int step_mask = pf != nullptr ? pf->step_mask : 0;
   for (int d = 0; d < D; ++d) {
-    if (pairs > 0) pf->issue(seg, x, pairs);
+    if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
     const __m512 k0 = _mm512_loadu_ps(t.kt + d * 16), k1 = _mm512_loadu_ps(t.kt + (D + d) * 16);
     for (int i = 0; i < NL; ++i) {
       const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
@@ -123,14 +153,19 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
   }
 }
 
-// p * v for lanes i0 .. i0+NL-1 (NL <= 6: 4 chunks of 16 dims at a time, NL x 4 accumulators).
+// p * v for lanes i0 .. i0+NL-1: from the float tile NL <= 6, 4 chunks of 16 dims at a time (NL x 4
+// accumulators); from a bf16 cache NL <= 8, 32 dims at a time (NL x 2).
 template <int NL, bool kDirect>
 SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
                                    float* acc) {
+  if constexpr (kDirect) {  // 32 dims per pass: NL x 2 accumulators
+    for (int c = 0; c < D / 32; ++c) pv_pairs<NL, 1>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
+    return;
+  }
   const int chunks = D / 16;
   int c = 0;
-  for (; c + 4 <= chunks; c += 4) pv_narrow<NL, 4, kDirect>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
-  for (; c < chunks; ++c) pv_narrow<NL, 1, kDirect>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
+  for (; c + 4 <= chunks; c += 4) pv_narrow<NL, 4>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
+  for (; c < chunks; ++c) pv_narrow<NL, 1>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
 }
 
 // tile_avx512's update for lanes 0..NL-1 (D % 16 == 0): per lane the same fmas, maxima, exp2s and
@@ -139,7 +174,7 @@ SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], c
 template <int NL, bool kDirect>
 SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[NL][kTileKeys];
-  if constexpr (NL <= 8) {  // at most 16 score accumulators per pass
+  if constexpr (NL <= 8) {  // at most 16 score accumulators per pass (score_passes)
     scores_narrow<NL>(t, g, D, 0, window, masked, s);
   } else {
     scores_narrow<NL / 2>(t, g, D, 0, window, masked, s);
@@ -174,7 +209,14 @@ SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t windo
   for (int j = 0; j < t.n; ++j)
     for (int i = 0; i < NL; ++i) l[i] = l[i] + s[i][j];
   for (int i = 0; i < NL; ++i) g.l[i] = l[i];
-  if constexpr (NL <= 6) {  // lanes 6 at a time: each V load feeds 6 fmas
+  if constexpr (kDirect) {  // lanes 8 at a time: 16 accumulators, each V line feeding 2 x 8 fmas
+    if constexpr (NL <= 8) {
+      pv_lanes<NL, true>(t, s, alpha, D, 0, g.acc);
+    } else {
+      pv_lanes<NL - NL / 2, true>(t, s, alpha, D, 0, g.acc);
+      pv_lanes<NL / 2, true>(t, s, alpha, D, NL - NL / 2, g.acc);
+    }
+  } else if constexpr (NL <= 6) {  // lanes 6 at a time: each V load feeds 6 fmas
     pv_lanes<NL, kDirect>(t, s, alpha, D, 0, g.acc);
   } else if constexpr (NL <= 12) {
     pv_lanes<6, kDirect>(t, s, alpha, D, 0, g.acc);

@@ -8,22 +8,21 @@
 // queries of the request that share the kv head (G query heads x query_len
 // new tokens) are "lanes": 16 lanes form a group held in one AVX-512 vector,
 // so every K/V row is loaded once per tile for all of them. The hot tile
-// update has an AVX-512 version (attention_avx512.cpp) and a portable one compiled
-// twice (AVX2+FMA and baseline); all three return the same bits. A group with
-// few live lanes (decode: G heads x 1 token) wastes most of a 16-lane vector,
-// so with AVX-512 groups take a "narrow" tile instead, with keys (scores) and
-// head dims (p * v) along the vector: the same operations per lane in the same
-// order, so the same bits, at a cost proportional to the live lanes (and for
-// a decode on a bf16 cache reading K and V in place, no float copy).
+// update has an AVX-512 version (attention_avx512.cpp) and a portable one
+// (attention_portable.cpp, compiled for AVX2+FMA and the baseline); all three
+// return the same bits. A group with few live lanes (decode: G heads x 1
+// token) wastes most of a 16-lane vector, so with AVX-512 groups take a
+// "narrow" tile instead, with keys (scores) and head dims (p * v) along the
+// vector: the same operations per lane in the same order, so the same bits, at
+// a cost proportional to the live lanes (and on a bf16 cache reading K and V in
+// place, no float copy).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "attention_ops.h"
@@ -33,117 +32,8 @@
 namespace specrt {
 namespace {
 
-using attn::exp2_det;
 using attn::kChunkKeys;
-using namespace attn_cpu;  // LaneGroup, Tile, max_f, exp2_avx512, the narrow tile
-
-// ---------------------------------------------------------------- portable version
-
-__attribute__((always_inline)) inline void tile_portable(const Tile& t, LaneGroup& g, int D, int32_t window,
-                                                         bool masked) {
-  float s[kTileKeys][kLanes];
-  for (int j = 0; j < t.n; ++j) {
-    float a[kLanes] = {};
-    const float* kj = t.k + j * t.stride;
-    for (int d = 0; d < D; ++d) {
-      const float kd = kj[d];
-      const float* qd = g.qt + d * kLanes;
-      for (int i = 0; i < kLanes; ++i) a[i] = std::fma(qd[i], kd, a[i]);
-    }
-    for (int i = 0; i < kLanes; ++i) s[j][i] = a[i];
-  }
-  if (masked) {
-    for (int j = 0; j < t.n; ++j) {
-      const int32_t kp = t.k0 + j;
-      for (int i = 0; i < kLanes; ++i) {
-        const bool visible = kp <= g.pos[i] && (window == 0 || kp > g.pos[i] - window);
-        if (!visible) s[j][i] = kNegInf;
-      }
-    }
-  }
-  float m_safe[kLanes], alpha[kLanes];
-  for (int i = 0; i < kLanes; ++i) {
-    float mt = kNegInf;
-    for (int j = 0; j < t.n; ++j) mt = max_f(mt, s[j][i]);
-    const float m_new = max_f(g.m[i], mt);
-    m_safe[i] = m_new == kNegInf ? 0.0f : m_new;
-    alpha[i] = exp2_det(g.m[i] - m_safe[i]);
-    g.m[i] = m_new;
-  }
-  for (int j = 0; j < t.n; ++j)
-    for (int i = 0; i < kLanes; ++i) s[j][i] = exp2_det(s[j][i] - m_safe[i]);
-  for (int i = 0; i < kLanes; ++i) {
-    float l = g.l[i] * alpha[i];
-    for (int j = 0; j < t.n; ++j) l = l + s[j][i];
-    g.l[i] = l;
-  }
-  for (int d = 0; d < D; ++d) {
-    float o[kLanes];
-    float* acc = g.acc + d * kLanes;
-    for (int i = 0; i < kLanes; ++i) o[i] = acc[i] * alpha[i];
-    for (int j = 0; j < t.n; ++j) {
-      const float vd = t.v[j * t.stride + d];
-      for (int i = 0; i < kLanes; ++i) o[i] = std::fma(s[j][i], vd, o[i]);
-    }
-    for (int i = 0; i < kLanes; ++i) acc[i] = o[i];
-  }
-}
-
-// Chunk partials of one lane, stored [chunks][stride] as (m, l, acc[D]), combined in chunk order.
-__attribute__((always_inline)) inline void combine_portable(const float* part, int64_t chunks, int64_t stride,
-                                                            int D, float* a, float* out) {
-  float big_m = kNegInf;
-  for (int64_t c = 0; c < chunks; ++c) big_m = max_f(big_m, part[c * stride]);
-  float big_l = 0.0f;
-  for (int d = 0; d < D; ++d) a[d] = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float* p = part + c * stride;
-    const float w = exp2_det(p[0] - big_m);
-    big_l = std::fma(p[1], w, big_l);
-    for (int d = 0; d < D; ++d) a[d] = std::fma(p[2 + d], w, a[d]);
-  }
-  for (int d = 0; d < D; ++d) out[d] = a[d] / big_l;
-}
-
-// Cache elements -> float (exact for every kind).
-__attribute__((always_inline)) inline void convert_portable(const void* src, int kind, int64_t n, float* dst) {
-  if (kind == kF32) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(src);
-  if (kind == kBF16) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = attn::bf16_bits_to_float(h[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = attn::half_bits_to_float(h[i]);
-  }
-}
-
-// The portable code compiled for the baseline ISA (fma is a libm call there) and for AVX2+FMA.
-void tile_baseline(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
-  tile_portable(t, g, D, window, masked);
-}
-void combine_baseline(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
-  combine_portable(part, chunks, stride, D, a, out);
-}
-void convert_baseline(const void* src, int kind, int64_t n, float* dst) { convert_portable(src, kind, n, dst); }
-
-#define SPECRT_AVX2 __attribute__((target("avx2,fma,f16c")))
-SPECRT_AVX2 void tile_avx2(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
-  tile_portable(t, g, D, window, masked);
-}
-SPECRT_AVX2 void combine_avx2(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
-  combine_portable(part, chunks, stride, D, a, out);
-}
-SPECRT_AVX2 void convert_avx2(const void* src, int kind, int64_t n, float* dst) {
-  convert_portable(src, kind, n, dst);
-}
-
-// ---------------------------------------------------------------- AVX-512 version
-// The tiles and the conversion are in attention_avx512.cpp; the combine is the portable code.
-SPECRT_AVX512 void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
-  combine_portable(part, chunks, stride, D, a, out);
-}
+using namespace attn_cpu;  // LaneGroup, Tile, the tiles
 
 // ---------------------------------------------------------------- dispatch
 struct Isa {
@@ -185,6 +75,7 @@ struct Request {
   int64_t q0, query_len, seq_len, first_key;
   int64_t chunk_first, num_chunks;
   int64_t part_offset;  // floats into the partials buffer (multi-chunk requests)
+  int64_t qt_offset;    // floats into the transposed-query buffer: [Hkv][groups][D][16]
 };
 
 // One work item: request b, its chunk c (counted from its first visible chunk), all kv heads.
@@ -214,6 +105,11 @@ class Kernel {
     plan();
     const at::Tensor part = at::empty({part_floats_}, a_.q.options());
     part_ = part.data_ptr<float>();
+    const at::Tensor qt = at::empty({qt_floats_ + 16}, a_.q.options());
+    qt_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qt.data_ptr<float>()) + 63) & ~uintptr_t{63});
+    at::parallel_for(0, B_, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) transpose_queries(reqs_[b]);
+    });
     // dynamic scheduling: items differ in cost; an item's result does not depend on its thread
     std::atomic<int64_t> next{0};
     const int64_t n = static_cast<int64_t>(items_.size());
@@ -236,12 +132,11 @@ class Kernel {
     const uint16_t* rows[kTileKeys];  // a direct narrow tile's K rows (this kv head)
     Prefetch prefetch;                // the next tile's cache lines
     int64_t off[kTileKeys];           // and their offsets for kv head 0
-    Scratch(int64_t num_groups, int D) : buf(num_groups * (2 * D + 2) * kLanes + 3 * kTileKeys * D + 16),
+    Scratch(int64_t num_groups, int D) : buf(num_groups * (D + 2) * kLanes + 3 * kTileKeys * D + 16),
                                          groups(num_groups) {
       // every part is a multiple of 16 floats: from a 64-byte aligned start, no vector load splits a line
       float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
       for (auto& g : groups) {
-        g.qt = p, p += D * kLanes;
         g.acc = p, p += D * kLanes;
         g.m = p, p += kLanes;
         g.l = p, p += kLanes;
@@ -270,15 +165,33 @@ class Kernel {
       max_groups_ = std::max(max_groups_, (lanes + kLanes - 1) / kLanes);
       r.part_offset = part_floats_;
       if (r.num_chunks > 1) part_floats_ += Hkv_ * r.num_chunks * lanes * (D_ + 2);
+      r.qt_offset = qt_floats_;
+      qt_floats_ += Hkv_ * ((lanes + kLanes - 1) / kLanes) * D_ * kLanes;
       for (int64_t c = 0; c < r.num_chunks; ++c) items_.push_back({static_cast<int32_t>(b), static_cast<int32_t>(c)});
     }
   }
 
-  // Lane i of group gi of kv head h = query (lane / G) of the request, query head h * G + lane % G.
-  void setup_group(const Request& r, int64_t h, int64_t gi, LaneGroup& g) const {
+  // The request's queries as lanes, q * qscale transposed to [D][16] per (kv head, group): once per
+  // request, read by every chunk. Lane i of group gi of kv head h = query (lane / G) of the request,
+  // query head h * G + lane % G; padding lanes are 0.
+  void transpose_queries(const Request& r) const {
+    if (r.num_chunks == 0) return;
     const float* q = a_.q.data_ptr<float>();
-    const int64_t lanes = G_ * r.query_len;
-    std::fill(g.qt, g.qt + D_ * kLanes, 0.0f);
+    const int64_t lanes = G_ * r.query_len, groups = (lanes + kLanes - 1) / kLanes;
+    float* qt = qt_ + r.qt_offset;
+    std::fill(qt, qt + Hkv_ * groups * D_ * kLanes, 0.0f);
+    for (int64_t h = 0; h < Hkv_; ++h)
+      for (int64_t lane = 0; lane < lanes; ++lane) {
+        const float* qrow = q + ((r.q0 + lane / G_) * H_ + h * G_ + lane % G_) * D_;
+        float* col = qt + ((h * groups + lane / kLanes) * D_) * kLanes + lane % kLanes;
+        for (int d = 0; d < D_; ++d) col[d * kLanes] = qrow[d] * a_.qscale;
+      }
+  }
+
+  // A chunk's fresh state for group gi of kv head h.
+  void setup_group(const Request& r, int64_t h, int64_t gi, LaneGroup& g) const {
+    const int64_t lanes = G_ * r.query_len, groups = (lanes + kLanes - 1) / kLanes;
+    g.qt = qt_ + r.qt_offset + (h * groups + gi) * D_ * kLanes;
     std::fill(g.acc, g.acc + D_ * kLanes, 0.0f);
     std::fill(g.m, g.m + kLanes, kNegInf);
     std::fill(g.l, g.l + kLanes, 0.0f);
@@ -287,13 +200,10 @@ class Kernel {
     g.live = static_cast<int>(std::min<int64_t>(kLanes, lanes - gi * kLanes));
     for (int i = 0; i < kLanes; ++i) {
       const int64_t lane = std::min(gi * kLanes + i, lanes - 1);  // padding lanes repeat the last position
-      const int64_t qi = lane / G_;
-      g.pos[i] = static_cast<int32_t>(r.seq_len - r.query_len + qi);
+      g.pos[i] = static_cast<int32_t>(r.seq_len - r.query_len + lane / G_);
       if (gi * kLanes + i >= lanes) continue;
       g.min_pos = std::min(g.min_pos, g.pos[i]);
       g.max_pos = std::max(g.max_pos, g.pos[i]);
-      const float* qrow = q + ((r.q0 + qi) * H_ + h * G_ + lane % G_) * D_;
-      for (int d = 0; d < D_; ++d) g.qt[d * kLanes + i] = qrow[d] * a_.qscale;
     }
   }
 
@@ -317,8 +227,8 @@ class Kernel {
   }
 
   // The cache lines of keys [k0, k1) of request b (K and V rows, every kv head), queued in sc.prefetch:
-  // the narrow tile requests them a few per score step while this tile is computed.
-  void queue_prefetch(int64_t b, int64_t k0, int64_t k1, Scratch& sc) const {
+  // the narrow tile requests them over the `steps` score steps of the tile computed meanwhile.
+  void queue_prefetch(int64_t b, int64_t k0, int64_t k1, int64_t steps, Scratch& sc) const {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
     const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
     const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
@@ -335,16 +245,23 @@ class Kernel {
       lines += (n * row_bytes + 63) / 64;
       kp += n;
     }
-    // every kv head runs at least one score pass of D steps: drained by the last head's scores
-    p.pairs_per_step = static_cast<int>((lines + Hkv_ * D_ - 1) / (Hkv_ * D_));
+    // spread over the tile's score steps (every kv head runs them): a few pairs per step, or one pair
+    // every 2^n steps
+    p.pairs_per_step = static_cast<int>((lines + steps - 1) / steps);
+    p.step_mask = 0;
+    while (p.pairs_per_step == 1 && (p.step_mask + 1) * 2 * lines <= steps) p.step_mask = 2 * p.step_mask + 1;
     if (!narrow_) p.drain();  // the other tiles take them in one burst
   }
 
   void process(const Item& it, Scratch& sc) const {
     const Request& r = reqs_[it.b];
     const int64_t num_groups = (G_ * r.query_len + kLanes - 1) / kLanes;
+    int64_t score_steps = 0;  // of a tile, every kv head and group
     for (int64_t h = 0; h < Hkv_; ++h)
-      for (int64_t gi = 0; gi < num_groups; ++gi) setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
+      for (int64_t gi = 0; gi < num_groups; ++gi) {
+        setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
+        score_steps += score_passes(sc.groups[h * num_groups + gi].live) * D_;
+      }
     const int64_t c = r.chunk_first + it.c;
     const int64_t key_begin = std::max(c * kChunkKeys, r.first_key);
     const int64_t key_end = std::min((c + 1) * kChunkKeys, r.seq_len);
@@ -354,7 +271,7 @@ class Kernel {
     for (int64_t t0 = key_begin - key_begin % kTileKeys; t0 < key_end; t0 += kTileKeys) {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
       // the next tile, also across the chunk's end (the same thread usually takes the next chunk)
-      queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, r.seq_len), sc);
+      queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, r.seq_len), score_steps, sc);
       if (direct_) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
         int64_t blk = k0 / bs_, o = k0 % bs_;
         for (int64_t j = 0; j < kTileKeys; ++j) {
@@ -394,23 +311,37 @@ class Kernel {
     return a_.out.data_ptr<float>() + ((r.q0 + lane / G_) * H_ + h * G_ + lane % G_) * D_;
   }
 
+  // Lane i's acc in dim order: [D][16] (wide), [16][D] (narrow), and a direct narrow tile keeps each
+  // 32 dims as [even 16 | odd 16].
+  void lane_acc(const LaneGroup& g, int i, float* dst) const {
+    if (!narrow_) {
+      for (int d = 0; d < D_; ++d) dst[d] = g.acc[d * kLanes + i];
+    } else if (!direct_) {
+      std::memcpy(dst, g.acc + i * D_, D_ * sizeof(float));
+    } else {
+      const float* acc = g.acc + i * D_;
+      for (int c = 0; c < D_; c += 32)
+        for (int k = 0; k < 16; ++k) dst[c + 2 * k] = acc[c + k], dst[c + 2 * k + 1] = acc[c + 16 + k];
+    }
+  }
+
   // One chunk: the output (acc / l). Several: this chunk's partial (m, l, acc) of every lane.
   void finish(const Request& r, int64_t h, int64_t c, const LaneGroup* groups) const {
     const int64_t lanes = G_ * r.query_len;
     for (int64_t lane = 0; lane < lanes; ++lane) {
       const LaneGroup& g = groups[lane / kLanes];
       const int i = lane % kLanes;
-      const float* acc = narrow_ ? g.acc + i * D_ : g.acc + i;  // [lane][D] or [D][16]
-      const int64_t step = narrow_ ? 1 : kLanes;
       if (r.num_chunks == 1) {
         float* o = out_row(r, h, lane);
-        for (int d = 0; d < D_; ++d) o[d] = acc[d * step] / g.l[i];
+        lane_acc(g, i, o);
+        const float l = g.l[i];
+        for (int d = 0; d < D_; ++d) o[d] = o[d] / l;
         continue;
       }
       float* p = part_ + r.part_offset + ((h * r.num_chunks + c) * lanes + lane) * (D_ + 2);
       p[0] = g.m[i];
       p[1] = g.l[i];
-      for (int d = 0; d < D_; ++d) p[2 + d] = acc[d * step];
+      lane_acc(g, i, p + 2);
     }
   }
 
@@ -443,8 +374,9 @@ class Kernel {
   std::vector<Request> reqs_;
   std::vector<Item> items_;
   int64_t max_groups_ = 1;
-  int64_t part_floats_ = 0;
+  int64_t part_floats_ = 0, qt_floats_ = 0;
   float* part_ = nullptr;
+  float* qt_ = nullptr;  // transposed queries, every request's (transpose_queries)
 };
 
 }  // namespace

@@ -1,5 +1,5 @@
 // csrc/cpu/attention_tile.h — what the CPU paged-attention driver (attention_cpu.cpp) and its
-// AVX-512 tiles (attention_avx512.cpp) share: a lane group's state, a tile of keys, and the
+// tiles (attention_avx512.cpp, attention_portable.cpp) share: a lane group's state, a tile of keys, and the
 // vector exp2 of specrt/attention.h. Internal to the CPU kernel.
 #pragma once
 
@@ -22,8 +22,9 @@ enum CacheKind : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 // Up to 16 queries of one (request, kv head); buffers are transposed [D][16].
 struct LaneGroup {
-  float* qt;    // [D][16] q * qscale (padding lanes 0)
-  float* acc;   // [D][16] running sum of p * v ([16][D] under the narrow tile)
+  const float* qt;  // [D][16] q * qscale (padding lanes 0), shared by every chunk of the request
+  float* acc;   // [D][16] running sum of p * v; narrow tile [16][D], on a bf16 cache each 32 dims
+                //   stored as [even 16 | odd 16] (pv_pairs)
   float* m;     // [16] running max (base-2 score domain)
   float* l;     // [16] running sum of p
   int32_t pos[kLanes];  // absolute position of each lane's query (padding lanes: a real one's)
@@ -43,6 +44,7 @@ struct Prefetch {
   int s = 0;           // cursor: segment s, byte x
   int64_t x = 0;
   int pairs_per_step = 0;  // K + V line pairs per score step
+  int step_mask = 0;       // ... on the steps d with (d & step_mask) == 0
   // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
   // cursor held in registers.
   void issue(int& s_, int64_t& x_, int pairs) const {
@@ -69,6 +71,9 @@ struct Tile {
   int64_t vplane = 0;
   Prefetch* prefetch = nullptr;  // the next tile's lines (narrow tile; null: none)
 };
+
+// Score passes of the narrow tile over a group of `live` lanes (at most 8 lanes, 16 accumulators, each).
+inline int score_passes(int live) { return live <= 8 ? 1 : 2; }
 
 // max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
 inline float max_f(float a, float b) { return a > b ? a : b; }
@@ -101,6 +106,17 @@ SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
 }
 #pragma GCC diagnostic pop
+
+// The portable tile, combine and conversion (attention_portable.cpp), for the baseline ISA and AVX2+FMA;
+// the combine also for AVX-512 (all return the same bits). A combine merges one lane's chunk partials
+// (m, l, acc[D]) `stride` floats apart, in chunk order, into out; a is D floats of scratch.
+void tile_baseline(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+void combine_baseline(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out);
+void convert_baseline(const void* src, int kind, int64_t n, float* dst);
+void tile_avx2(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+void combine_avx2(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out);
+void convert_avx2(const void* src, int kind, int64_t n, float* dst);
+void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out);
 
 // With AVX-512 every lane group takes the narrow tile (measured faster at 1..16 live lanes,
 // bench/README.md, paged attention). Call these only where AVX-512 F/BW/VL is available.
