@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "attention_ops.h"
@@ -115,7 +116,7 @@ class Kernel {
     const int64_t n = static_cast<int64_t>(items_.size());
     at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       Scratch sc(Hkv_ * max_groups_, D_);
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(items_[i], sc);
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(items_[i], sc, next);
     });
     combine_all();
     float* out = a_.out.data_ptr<float>();
@@ -253,7 +254,15 @@ class Kernel {
     if (!narrow_) p.drain();  // the other tiles take them in one burst
   }
 
-  void process(const Item& it, Scratch& sc) const {
+  // Keys [begin, end) of an item's chunk.
+  std::pair<int64_t, int64_t> chunk_keys(const Item& it) const {
+    const Request& r = reqs_[it.b];
+    const int64_t c = r.chunk_first + it.c;
+    return {std::max(c * kChunkKeys, r.first_key), std::min((c + 1) * kChunkKeys, r.seq_len)};
+  }
+
+  // next: the work queue's cursor; the item it points at is the one this thread most likely takes next.
+  void process(const Item& it, Scratch& sc, const std::atomic<int64_t>& next) const {
     const Request& r = reqs_[it.b];
     const int64_t num_groups = (G_ * r.query_len + kLanes - 1) / kLanes;
     int64_t score_steps = 0;  // of a tile, every kv head and group
@@ -262,16 +271,21 @@ class Kernel {
         setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
         score_steps += score_passes(sc.groups[h * num_groups + gi].live) * D_;
       }
-    const int64_t c = r.chunk_first + it.c;
-    const int64_t key_begin = std::max(c * kChunkKeys, r.first_key);
-    const int64_t key_end = std::min((c + 1) * kChunkKeys, r.seq_len);
+    const auto [key_begin, key_end] = chunk_keys(it);
     const int32_t window = static_cast<int32_t>(a_.window > 0 && a_.window < r.seq_len ? a_.window : 0);
     const uint16_t* cache16 = static_cast<const uint16_t*>(a_.kv_cache.data_ptr());
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + it.b * M_;
     for (int64_t t0 = key_begin - key_begin % kTileKeys; t0 < key_end; t0 += kTileKeys) {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
-      // the next tile, also across the chunk's end (the same thread usually takes the next chunk)
-      queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, r.seq_len), score_steps, sc);
+      // the next tile; after the chunk's last, the first tile of the item at the queue's head
+      if (t0 + kTileKeys < key_end) {
+        queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end), score_steps, sc);
+      } else if (const int64_t i = next.load(std::memory_order_relaxed); i < static_cast<int64_t>(items_.size())) {
+        const auto [b, e] = chunk_keys(items_[i]);
+        queue_prefetch(items_[i].b, b, std::min(b - b % kTileKeys + kTileKeys, e), score_steps, sc);
+      } else {
+        queue_prefetch(it.b, 0, 0, score_steps, sc);  // nothing
+      }
       if (direct_) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
         int64_t blk = k0 / bs_, o = k0 % bs_;
         for (int64_t j = 0; j < kTileKeys; ++j) {
