@@ -182,6 +182,24 @@ def test_every_instruction_set_returns_the_same_bits(dtype, heads, kv_heads, hea
     assert (outs[0] - case.reference()).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("head_dim,window", [(64, 0), (128, 21)])
+def test_many_lane_groups_return_the_same_bits(head_dim, window):
+    """Groups of 9..16 live lanes on a bf16 cache (the narrow tile, and from 15 lanes the many-lane
+    tile) against the scalar and 16-wide levels, bit for bit, including short and masked tiles."""
+    best = ops.attention_cpu_isa(-1)
+    case = make_case([300, 40, 16, 700, 290, 57, 30, 520], [9, 10, 11, 12, 13, 14, 15, 16], heads=2, kv_heads=2,
+                     head_dim=head_dim, window=window, dtype=torch.bfloat16, seed=12)
+    try:
+        outs = []
+        for level in range(best + 1):
+            ops.attention_cpu_isa(level)
+            outs.append(case.run())
+    finally:
+        ops.attention_cpu_isa(best)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert (outs[0] - case.reference()).abs().max().item() <= TOL
+
+
 def test_empty_request_and_default_bounds():
     """A request with no new rows is skipped; max_query_len / max_seq_len default from CPU tensors."""
     case = make_case([20, 9], [3, 2], seed=9)

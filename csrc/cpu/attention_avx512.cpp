@@ -3,8 +3,9 @@
 // (p * v) along the vector instead, so a decode (G = 3 queries per kv head) does not fill 3 of 16 lanes;
 // per lane it does the same fmas, maxima, exp2s and sums in the same order as the wide tile, so it
 // returns the same bits at a cost proportional to the live lanes. On a bf16 cache it reads K and V in
-// place (a bf16 pair per 32-bit element: one transpose per 32 dims). Compiled with the AVX-512 target
-// attribute, called only after the driver's run-time CPU check.
+// place (a bf16 pair per 32-bit element: one transpose per 32 dims). A group of 15-16 lanes on a bf16
+// cache (a K=4 verify of 3 heads per kv head) takes the many-lane tile: wide scores and softmax, narrow
+// p * v. Compiled with the AVX-512 target attribute, called only after the driver's run-time CPU check.
 #include <cstring>
 
 #include "cpu/attention_tile.h"
@@ -87,9 +88,9 @@ SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], 
 // per 32-bit element gives the even dims (<< 16) and the odd ones (high half) with one op each, so a
 // lane's acc is kept [D / 32][even 16 | odd 16] (the driver's finish puts the dims back in order).
 // acc[i][32 c .. 32 (c + CH)) = acc * alpha_i, then += p_i[j] * v_j in key order.
-template <int NL, int CH>
-SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int c,
-                                   float* acc) {
+// p_i[j] is p[i * LS + j * KS]: [lane][key] (LS = kTileKeys, KS = 1) or [key][lane] (1, kLanes).
+template <int NL, int CH, int LS = kTileKeys, int KS = 1>
+SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* alpha, int D, int c, float* acc) {
   __m512 o[NL][CH][2];
   for (int i = 0; i < NL; ++i)
     for (int x = 0; x < CH; ++x)
@@ -103,7 +104,7 @@ SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float (*p)[kTileKeys], c
       const __m512 ve = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
       const __m512 vo = _mm512_castsi512_ps(_mm512_and_si512(pair, hi));
       for (int i = 0; i < NL; ++i) {
-        const __m512 pij = _mm512_set1_ps(p[i][j]);
+        const __m512 pij = _mm512_set1_ps(p[i * LS + j * KS]);
         o[i][x][0] = _mm512_fmadd_ps(pij, ve, o[i][x][0]);
         o[i][x][1] = _mm512_fmadd_ps(pij, vo, o[i][x][1]);
       }
@@ -159,7 +160,7 @@ template <int NL, bool kDirect>
 SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
                                    float* acc) {
   if constexpr (kDirect) {  // 32 dims per pass: NL x 2 accumulators
-    for (int c = 0; c < D / 32; ++c) pv_pairs<NL, 1>(t, p + i0, alpha + i0, D, c, acc + i0 * D);
+    for (int c = 0; c < D / 32; ++c) pv_pairs<NL, 1>(t, p[i0], alpha + i0, D, c, acc + i0 * D);
     return;
   }
   const int chunks = D / 16;
@@ -228,6 +229,64 @@ SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t windo
   }
 }
 
+// A group of many lanes on a bf16 cache: scores with the lanes along the vector (16 keys' accumulators,
+// each fma a q row times a broadcast transposed key), so the softmax runs on [key][lane] vectors as in
+// the wide tile (a max and an l sum per key for all lanes, no per-lane reductions), then the narrow
+// tile's p * v from the bf16 V rows. Per lane the same operations in the same order: the same bits.
+template <int NL>
+SPECRT_AVX512 void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  alignas(64) float s[kTileKeys * kLanes];  // [key][lane]
+  Prefetch* const pf = t.prefetch;  // as in scores_narrow
+  int seg = pf != nullptr ? pf->s : 0;
+  int64_t x = pf != nullptr ? pf->x : 0;
+  const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
+  const int step_mask = pf != nullptr ? pf->step_mask : 0;
+  for (int b = 0; b < 2 && 16 * b < t.n; ++b) {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+    const float* kt = t.kt + b * D * 16;
+    for (int d = 0; d < D; ++d) {
+      if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
+      const __m512 qd = _mm512_loadu_ps(g.qt + d * kLanes);
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kt[d * 16 + j]), a[j]);
+    }
+    for (int j = 0; j < 16; ++j) _mm512_store_ps(s + (16 * b + j) * kLanes, a[j]);
+  }
+  if (pf != nullptr) pf->s = seg, pf->x = x;
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  if (masked) {
+    const __m512i pos = _mm512_loadu_si512(g.pos);
+    const __m512i pos_w = _mm512_sub_epi32(pos, _mm512_set1_epi32(window));
+    for (int j = 0; j < t.n; ++j) {
+      const __m512i kp = _mm512_set1_epi32(t.k0 + j);
+      __mmask16 visible = _mm512_cmple_epi32_mask(kp, pos);
+      if (window != 0) visible &= _mm512_cmplt_epi32_mask(pos_w, kp);
+      _mm512_store_ps(s + j * kLanes, _mm512_mask_blend_ps(visible, neg_inf, _mm512_load_ps(s + j * kLanes)));
+    }
+  }
+  __m512 mt = neg_inf;
+  for (int j = 0; j < t.n; ++j) mt = _mm512_max_ps(mt, _mm512_load_ps(s + j * kLanes));
+  const __m512 m_old = _mm512_loadu_ps(g.m);
+  const __m512 m_new = _mm512_max_ps(m_old, mt);
+  const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
+                                             _mm512_setzero_ps());
+  alignas(64) float alpha[kLanes];
+  const __m512 alpha_v = exp2_avx512(_mm512_sub_ps(m_old, m_safe));
+  _mm512_store_ps(alpha, alpha_v);
+  _mm512_storeu_ps(g.m, m_new);
+  __m512 l = _mm512_mul_ps(_mm512_loadu_ps(g.l), alpha_v);
+  for (int j = 0; j < t.n; ++j) {
+    const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_load_ps(s + j * kLanes), m_safe));
+    _mm512_store_ps(s + j * kLanes, p);
+    l = _mm512_add_ps(l, p);
+  }
+  _mm512_storeu_ps(g.l, l);
+  for (int c = 0; c < D / 32; ++c) {  // lanes in two sets, as the narrow tile's p * v
+    pv_pairs<NL - NL / 2, 1, 1, kLanes>(t, s, alpha, D, c, g.acc);
+    pv_pairs<NL / 2, 1, 1, kLanes>(t, s + (NL - NL / 2), alpha + (NL - NL / 2), D, c, g.acc + (NL - NL / 2) * D);
+  }
+}
+
 // ---------------------------------------------------------------- the 16-lane (wide) tile
 // Scores of NK consecutive keys (independent fma chains over d hide the latency).
 template <int NK>
@@ -257,6 +316,10 @@ SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha,
 // ---------------------------------------------------------------- the narrow tile's entry
 template <bool kDirect>
 SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  if constexpr (kDirect) {  // 15 or 16 lanes: the many-lane tile (measured faster from 15, bench/README.md)
+    if (g.live == 15) return tile_many<15>(t, g, D, window, masked);
+    if (g.live == 16) return tile_many<16>(t, g, D, window, masked);
+  }
   switch (g.live) {
     case 1: tile_narrow<1, kDirect>(t, g, D, window, masked); break;
     case 2: tile_narrow<2, kDirect>(t, g, D, window, masked); break;
