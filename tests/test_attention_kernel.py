@@ -200,6 +200,44 @@ def test_many_lane_groups_return_the_same_bits(head_dim, window):
     assert (outs[0] - case.reference()).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_len", [1, 3, 15, 16])
+def test_exp2_edge_values_same_bits_on_every_instruction_set(dtype, query_len):
+    """Softmax weights at exp2's edges (x = -126, -127 and between, far below, -inf, a NaN query):
+    with qscale exactly 1, one-hot keys and values make each output element one weight / l, so every
+    instruction set's exp2 is compared bit for bit (NaN lanes: NaN on every level)."""
+    xs = [0.0, -0.5, -125.5, -126.0, -126.5, -127.0, -127.5, -128.0, -200.0, float("-inf")]
+    keys, d = 32, 64
+    cache = torch.zeros(2, 1, keys, 1, d)
+    for j, x in enumerate(xs):
+        cache[0, 0, j, 0, 0] = x      # key j's score is x for q = e_0 (qscale = 1: scale = ln 2)
+        cache[1, 0, j, 0, j] = 1.0    # value j is e_j: output element j is p_j / l
+    cache[0, 0, len(xs):, 0, 0] = -300.0
+    cache = cache.to(dtype)
+    meta = AttentionMetadata.build([keys], [query_len], [[0]], keys)
+    q = torch.zeros(query_len, 1, d)
+    q[:, 0, 0] = 1.0
+    q[0, 0, 1] = float("nan")         # the first query's scores are all NaN
+    scale = 0.6931471805599453
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0)
+    best = ops.attention_cpu_isa(-1)
+    try:
+        outs = []
+        for level in range(best + 1):
+            ops.attention_cpu_isa(level)
+            outs.append(ops.paged_attention(*args))
+    finally:
+        ops.attention_cpu_isa(best)
+    nan = torch.isnan(outs[0])
+    assert nan[0].all() and not nan[1:].any()
+    for o in outs[1:]:
+        assert torch.equal(torch.isnan(o), nan)
+        assert torch.equal(o[1:], outs[0][1:])
+    if query_len > 1:  # weights from x = -126 up are positive, below it exactly 0
+        row = outs[0][1, 0]
+        assert (row[:4] > 0).all() and (row[4:] == 0).all()
+
+
 def test_empty_request_and_default_bounds():
     """A request with no new rows is skipped; max_query_len / max_seq_len default from CPU tensors."""
     case = make_case([20, 9], [3, 2], seed=9)

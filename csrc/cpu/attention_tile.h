@@ -87,8 +87,8 @@ inline float max_f(float a, float b) { return a > b ? a : b; }
 // attn::exp2_det on 16 lanes (the same operations, so the same bits).
 SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
   const __m512 round = _mm512_set1_ps(12582912.0f);
-  const __m512 xc = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-127.0f), _CMP_LT_OQ), x,
-                                         _mm512_set1_ps(-127.0f));
+  // x < -127 ? -127 : x as one max: VMAXPS returns its second operand when either is NaN
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
   const __m512 t = _mm512_add_ps(xc, round);
   const __m512 n = _mm512_sub_ps(t, round);
   const __m512 f = _mm512_sub_ps(xc, n);
@@ -100,10 +100,12 @@ SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  __m512i bits = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000));
-  bits = _mm512_slli_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(127)), 23);
-  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ), r, _mm512_setzero_ps());
+  // (bits(t) - 0x4B400000 + 127) << 23 with the constants folded (wrapping int arithmetic: the same bits)
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127 - 0x4B400000)), 23);
+  // x < -126 ? 0 : p * 2^n as a zero-masked multiply (not-less-than holds for a NaN x, which stays NaN)
+  return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ), p,
+                             _mm512_castsi512_ps(bits));
 }
 #pragma GCC diagnostic pop
 
