@@ -400,3 +400,25 @@ def test_benchmark_script_runs(capsys, tmp_path):
     rows = json.loads((tmp_path / "out.json").read_text())["attention"]
     assert [(r["batch"], r["context"]) for r in rows] == [(2, 40), (2, 300)]
     assert all(r["kv_mb"] > 0 and r["floor_ms"] > 0 for r in rows)
+
+
+
+def test_build_ab_script_runs(tmp_path):
+    """bench/attention_ab.py alternates two builds in child processes, each importing its own copy:
+    the current extension twice, on a tiny shape (and a missing build is refused by name)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import specrt._C
+
+    root = Path(__file__).resolve().parent.parent
+    so = specrt._C.__file__
+    cmd = [sys.executable, str(root / "bench" / "attention_ab.py"), so, so, "--shape", "64:5:1", "--layers", "1",
+           "--reps", "1", "--rounds", "1", "--evict-mb", "0"]
+    out = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("round 1") == 2 and "after / before" in out.stdout
+    bad = subprocess.run(cmd[:2] + [str(tmp_path / "none.so"), so], check=False, cwd=root, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "none.so is not a file" in bad.stderr

@@ -1,0 +1,109 @@
+"""Two builds of the extension, alternated: the paged-attention kernel's cold step time (issue 18).
+
+On a shared machine the memory bandwidth drifts by 2x within minutes, so separate runs of
+bench/attention.py cannot tell a 10% change from noise. This times the same step with two builds of
+specrt._C (two .so files, e.g. the extension before and after a change), each in its own process,
+taking turns `--rounds` times. Every run builds the same 30-layer SmolLM2-shaped bf16 cache
+(bench/attention.py's `paged_context`), touches an `--evict-mb` buffer between steps so the KV comes
+from DRAM as in a forward, and reports the median step time and the achieved KV read bandwidth. The
+last line gives the median over rounds of each build and their ratio. Usage:
+
+  python bench/attention_ab.py BEFORE.so AFTER.so --shape 4096:5:1 --threads 1 --rounds 4
+  (shape = context:queries:batch; queries 5 = a K=4 verify step, 1 = a decode step)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_one(context: int, queries: int, batch: int, layers: int, reps: int, evict_mb: int) -> tuple[float, float]:
+    """(median step seconds, KV GB/s) in this process, with whatever specrt._C it imports."""
+    import torch
+
+    from bench.attention import HEAD_DIM, KV_HEADS, paged_context
+    from specrt import ops
+    cache, meta = paged_context(batch, context, layers, torch.bfloat16, queries=queries)
+    q = torch.randn(queries * batch, 9, HEAD_DIM)
+    junk = torch.ones(evict_mb << 18)  # float32: evict_mb MB
+
+    def step() -> None:
+        for layer in range(layers):
+            ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                HEAD_DIM ** -0.5, 0, queries, context)
+
+    step()
+    times = []
+    for _ in range(reps):
+        if junk.numel():
+            junk.mul_(1.0)
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    kv_bytes = layers * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+    med = statistics.median(times)
+    return med, kv_bytes / med / 1e9
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("builds", nargs=2, help="two specrt._C shared objects (before, after)")
+    ap.add_argument("--shape", default="4096:5:1", help="context:queries:batch")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=7, help="steps per run (median)")
+    ap.add_argument("--rounds", type=int, default=4, help="runs of each build, alternated")
+    ap.add_argument("--evict-mb", type=int, default=1024, help="buffer touched between steps (0: hot cache)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    context, queries, batch = (int(x) for x in args.shape.split(":"))
+    if args.child:  # one run; the parent put the build under test first on sys.path
+        import torch
+        torch.set_num_threads(args.threads)
+        import specrt._C
+        if not specrt._C.__file__.startswith(os.getcwd()):  # python -m puts the cwd first on sys.path
+            raise SystemExit(f"imported {specrt._C.__file__}, not the build under test")
+        med, gbs = run_one(context, queries, batch, args.layers, args.reps, args.evict_mb)
+        print(f"{med * 1e3:.3f} {gbs:.3f}")
+        return
+    for so in args.builds:
+        if not os.path.isfile(so):
+            raise SystemExit(f"builds: {so} is not a file")
+    results: dict[str, list[float]] = {so: [] for so in args.builds}
+    with tempfile.TemporaryDirectory() as tmp:
+        # each build as its own specrt package copy's _C, the child's cwd (first on sys.path), so the
+        # child imports exactly that file
+        pkgs = {}
+        for i, so in enumerate(args.builds):
+            pkg_root = os.path.join(tmp, str(i))
+            shutil.copytree(os.path.join(ROOT, "specrt"), os.path.join(pkg_root, "specrt"),
+                            ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+            shutil.copy(so, os.path.join(pkg_root, "specrt", "_C" + sysconfig.get_config_var("EXT_SUFFIX")))
+            pkgs[so] = pkg_root
+        print(f"paged attention step, shape {args.shape} (context:queries:batch), {args.layers} layers, "
+              f"{args.threads} thread(s), {args.evict_mb} MB evicted between steps; builds alternated")
+        for r in range(args.rounds):
+            for so in (args.builds if r % 2 == 0 else args.builds[::-1]):
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkgs[so], ROOT]))
+                out = subprocess.run([sys.executable, "-m", "bench.attention_ab", *args.builds, "--child",
+                                      "--shape", args.shape, "--threads", str(args.threads), "--layers",
+                                      str(args.layers), "--reps", str(args.reps), "--evict-mb", str(args.evict_mb)],
+                                     env=env, cwd=pkgs[so], capture_output=True, text=True, check=True)
+                med, gbs = (float(x) for x in out.stdout.split()[-2:])
+                results[so].append(med)
+                print(f"  round {r + 1} {os.path.basename(so):>40}: {med:8.2f} ms  ({gbs:.2f} GB/s of KV)")
+    a, b = (statistics.median(results[so]) for so in args.builds)
+    print(f"median over rounds: {a:.2f} ms -> {b:.2f} ms, after / before = {b / a:.3f}")
+
+
+if __name__ == "__main__":
+    main()
