@@ -69,9 +69,9 @@ def main(argv=None) -> None:
     if args.child:  # one run; the parent put the build under test first on sys.path
         import torch
         torch.set_num_threads(args.threads)
-        import specrt._C
-        if not specrt._C.__file__.startswith(os.getcwd()):  # python -m puts the cwd first on sys.path
-            raise SystemExit(f"imported {specrt._C.__file__}, not the build under test")
+        from specrt.ops.library import extension_path
+        if not extension_path().startswith(os.getcwd()):  # python -m puts the cwd first on sys.path
+            raise SystemExit(f"imported {extension_path()}, not the build under test")
         med, gbs = run_one(context, queries, batch, args.layers, args.reps, args.evict_mb)
         print(f"{med * 1e3:.3f} {gbs:.3f}")
         return

@@ -410,10 +410,10 @@ def test_build_ab_script_runs(tmp_path):
     import sys
     from pathlib import Path
 
-    import specrt._C
+    from specrt.ops.library import extension_path
 
     root = Path(__file__).resolve().parent.parent
-    so = specrt._C.__file__
+    so = extension_path()
     cmd = [sys.executable, str(root / "bench" / "attention_ab.py"), so, so, "--shape", "64:5:1", "--layers", "1",
            "--reps", "1", "--rounds", "1", "--evict-mb", "0"]
     out = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True, timeout=300)

@@ -25,6 +25,11 @@ def cuda_built() -> bool:
     return _CUDA_BUILT
 
 
+def extension_path() -> str:
+    """The file the extension was loaded from (bench/attention_ab.py checks it is the build under test)."""
+    return _C.__file__
+
+
 def layer_stack_class():
     """``specrt._C.LayerStack``: a CPU model's decode / verify layers in one call (specrt/models/layer_stack.py)."""
     return _C.LayerStack
