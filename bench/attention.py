@@ -22,7 +22,7 @@ batch 1 and 8, contexts 4k and 8k, with 1 and 2 threads, it prints:
 Timings are medians of repeats; the spread (min..max of the per-repeat ratios) and the load
 average say how noisy the machine was. Usage:
 
-  python bench/attention.py                    # full: 30 layers, 5 repeats (~10 min on 2 cores)
+  python bench/attention.py                    # full: 30 layers, 5 repeats, 9 paired forwards (~6 min)
   python bench/attention.py --quick            # 6 layers, 3 repeats, no forward section
   python bench/attention.py --threads 1 --batches 1 --contexts 4096 --json out.json
 """
@@ -263,6 +263,8 @@ def main(argv=None) -> None:
                     help="new tokens per request: 5 = a K=4 verify step (the default), 1 = a decode step")
     ap.add_argument("--quick", action="store_true", help="6 layers, 3 repeats, no forward section")
     ap.add_argument("--no-forward", action="store_true")
+    ap.add_argument("--forward-reps", type=int, default=9,
+                    help="paired 4k / 8k forwards per backend (the growth is their median difference)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.quick:
@@ -297,7 +299,7 @@ def main(argv=None) -> None:
             lo, hi = contexts[0], contexts[-1]
             print(f"   forward (30 layers, {step} step) growth {lo} -> {hi} context vs the extra KV bytes:")
             for b in batches:
-                for row in bench_forward(model, n, b, (lo, hi), max(3, args.reps - 2), bw, args.queries):
+                for row in bench_forward(model, n, b, (lo, hi), args.forward_reps, bw, args.queries):
                     fwd_rows.append(row)
                     print(f"   batch {b} {row.backend:>6}: {row.ms_low:8.1f} -> {row.ms_high:8.1f} ms, growth "
                           f"{row.growth_ms:8.1f} ms for {row.extra_kv_mb:6.1f} MB more KV (floor "
