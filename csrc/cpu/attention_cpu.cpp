@@ -104,10 +104,10 @@ class Kernel {
 
   void run() {
     plan();
-    const at::Tensor part = at::empty({part_floats_}, a_.q.options());
-    part_ = part.data_ptr<float>();
-    const at::Tensor qt = at::empty({qt_floats_ + 16}, a_.q.options());
-    qt_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qt.data_ptr<float>()) + 63) & ~uintptr_t{63});
+    // one buffer: the transposed queries (64-byte aligned), then the chunk partials
+    const at::Tensor buf = at::empty({qt_floats_ + 16 + part_floats_}, a_.q.options());
+    qt_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data_ptr<float>()) + 63) & ~uintptr_t{63});
+    part_ = qt_ + qt_floats_;
     at::parallel_for(0, B_, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; ++b) transpose_queries(reqs_[b]);
     });

@@ -32,7 +32,7 @@ struct LaneGroup {
   int live;     // lanes holding a real query (1..16)
 };
 
-// The next tile's cache lines, requested a few per step of the narrow tile's score loop while this
+// The next tile's cache lines, requested a few per step of the AVX-512 score loops while this
 // tile is computed: spread over its arithmetic rather than issued in one burst that stalls the core
 // on its fill buffers (bench/README.md, paged attention). The tile's keys are a few contiguous block
 // segments of K rows; each V line is `plane` bytes after its K line.
