@@ -278,7 +278,7 @@ SPECRT_AVX512 void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window,
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
     const float* kt = t.kt + b * D * 16;
     for (int d = 0; d < D; ++d) {
-      if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
+      if (pairs > 0 && (d & step_mask) == 0) pf->issue<3>(seg, x, pairs);  // into L1 (Prefetch)
       const __m512 qd = _mm512_loadu_ps(g.qt + d * kLanes);
       for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kt[d * 16 + j]), a[j]);
     }

@@ -46,11 +46,13 @@ struct Prefetch {
   int pairs_per_step = 0;  // K + V line pairs per score step
   int step_mask = 0;       // ... on the steps d with (d & step_mask) == 0
   // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
-  // cursor held in registers.
+  // cursor held in registers. Into L2 (locality 2), or into L1 (3) for the many-lane tile, where that
+  // measured faster (bench/README.md, paged attention; a decode's narrow tile is slower with it).
+  template <int kLocality = 2>
   void issue(int& s_, int64_t& x_, int pairs) const {
     for (; pairs > 0 && s_ < segs; --pairs) {
-      __builtin_prefetch(seg[s_] + x_, 0, 2);
-      __builtin_prefetch(seg[s_] + plane + x_, 0, 2);
+      __builtin_prefetch(seg[s_] + x_, 0, kLocality);
+      __builtin_prefetch(seg[s_] + plane + x_, 0, kLocality);
       if ((x_ += 64) >= seg_bytes[s_]) x_ = 0, ++s_;
     }
   }
