@@ -160,24 +160,34 @@ def test_output_independent_of_thread_count():
     assert torch.equal(one, two)
 
 
+def on_every_level(run) -> list[torch.Tensor]:
+    """run() at every instruction-set level this CPU has (not only up to the default one: level 4 is
+    AVX-512 too), the default restored afterwards."""
+    default = ops.attention_cpu_isa(-1)
+    try:
+        ops.attention_cpu_isa(4)
+        top = ops.attention_cpu_isa(-1)
+        outs = []
+        for level in range(top + 1):
+            ops.attention_cpu_isa(level)
+            assert ops.attention_cpu_isa(-1) == level
+            outs.append(run())
+    finally:
+        ops.attention_cpu_isa(default)
+    assert ops.attention_cpu_isa(-1) == default
+    return outs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(9, 3, 40, 33), (9, 3, 64, 0), (16, 2, 128, 70),
                                                             (4, 4, 32, 5)])
 def test_every_instruction_set_returns_the_same_bits(dtype, heads, kv_heads, head_dim, window):
-    """Levels 0-3 (scalar, AVX2, AVX-512 16-wide groups, AVX-512 with narrow groups): the same bits,
-    over query counts that give every narrow group size (1..8 live lanes) and wide ones."""
-    best = ops.attention_cpu_isa(-1)
+    """Levels 0-4 (scalar, AVX2, AVX-512 16-wide groups, AVX-512 with narrow groups, and with the
+    many-lane tile reading keys in place): the same bits, over query counts that give every narrow
+    group size (1..8 live lanes) and wide ones."""
     case = make_case([300, 40, 9, 700, 90, 260], [5, 3, 1, 2, 4, 8], heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, window=window, dtype=dtype, seed=8)
-    try:
-        outs = []
-        for level in range(best + 1):
-            ops.attention_cpu_isa(level)
-            assert ops.attention_cpu_isa(-1) == level
-            outs.append(case.run())
-    finally:
-        ops.attention_cpu_isa(best)
-    assert ops.attention_cpu_isa(-1) == best
+    outs = on_every_level(case.run)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert (outs[0] - case.reference()).abs().max().item() <= TOL
 
@@ -185,17 +195,13 @@ def test_every_instruction_set_returns_the_same_bits(dtype, heads, kv_heads, hea
 @pytest.mark.parametrize("head_dim,window", [(64, 0), (128, 21)])
 def test_many_lane_groups_return_the_same_bits(head_dim, window):
     """Groups of 9..16 live lanes on a bf16 cache (the narrow tile, and from 15 lanes the many-lane
-    tile) against the scalar and 16-wide levels, bit for bit, including short and masked tiles."""
-    best = ops.attention_cpu_isa(-1)
-    case = make_case([300, 40, 16, 700, 290, 57, 30, 520], [9, 10, 11, 12, 13, 14, 15, 16], heads=2, kv_heads=2,
+    tile, which at level 4 reads keys in place) against the scalar and 16-wide levels, bit for bit,
+    including short and masked tiles, and requests of 17 and 31 lanes (a many-lane group beside a
+    narrow one, which still needs the transposed keys, and two many-lane groups, which do not)."""
+    case = make_case([300, 40, 16, 700, 290, 57, 30, 520, 64, 200], [9, 10, 11, 12, 13, 14, 15, 16, 17, 31],
+                     heads=2, kv_heads=2,
                      head_dim=head_dim, window=window, dtype=torch.bfloat16, seed=12)
-    try:
-        outs = []
-        for level in range(best + 1):
-            ops.attention_cpu_isa(level)
-            outs.append(case.run())
-    finally:
-        ops.attention_cpu_isa(best)
+    outs = on_every_level(case.run)
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
     assert (outs[0] - case.reference()).abs().max().item() <= TOL
 
@@ -220,14 +226,7 @@ def test_exp2_edge_values_same_bits_on_every_instruction_set(dtype, query_len):
     q[0, 0, 1] = float("nan")         # the first query's scores are all NaN
     scale = 0.6931471805599453
     args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, 0)
-    best = ops.attention_cpu_isa(-1)
-    try:
-        outs = []
-        for level in range(best + 1):
-            ops.attention_cpu_isa(level)
-            outs.append(ops.paged_attention(*args))
-    finally:
-        ops.attention_cpu_isa(best)
+    outs = on_every_level(lambda: ops.paged_attention(*args))
     nan = torch.isnan(outs[0])
     assert nan[0].all() and not nan[1:].any()
     for o in outs[1:]:

@@ -262,10 +262,13 @@ SPECRT_AVX512 inline __m512 softmax_keys(const Tile& t, LaneGroup& g, int32_t wi
 }
 
 // A group of many lanes on a bf16 cache: scores with the lanes along the vector (16 keys' accumulators,
-// each fma a q row times a broadcast transposed key), so the softmax runs on [key][lane] vectors as in
-// the wide tile (a max and an l sum per key for all lanes, no per-lane reductions), then the narrow
-// tile's p * v from the bf16 V rows. Per lane the same operations in the same order: the same bits.
-template <int NL>
+// each fma a q row times a broadcast key), so the softmax runs on [key][lane] vectors as in the wide
+// tile (a max and an l sum per key for all lanes, no per-lane reductions), then the narrow tile's
+// p * v from the bf16 V rows. Per lane the same operations in the same order: the same bits.
+// kInPlace: each key element is broadcast from its bf16 pair in the cache row and made a float by one
+// shift or and (no transposed tile t.kt; faster where those ops do not compete with the fmas, as on
+// AMD Zen 4); else broadcast from t.kt.
+template <int NL, bool kInPlace>
 SPECRT_AVX512 void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[kTileKeys * kLanes];  // [key][lane]
   Prefetch* const pf = t.prefetch;  // as in scores_narrow
@@ -276,11 +279,28 @@ SPECRT_AVX512 void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window,
   for (int b = 0; b < 2 && 16 * b < t.n; ++b) {
     __m512 a[16];
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-    const float* kt = t.kt + b * D * 16;
-    for (int d = 0; d < D; ++d) {
-      if (pairs > 0 && (d & step_mask) == 0) pf->issue<3>(seg, x, pairs);  // into L1 (Prefetch)
-      const __m512 qd = _mm512_loadu_ps(g.qt + d * kLanes);
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kt[d * 16 + j]), a[j]);
+    if constexpr (kInPlace) {  // dims d, d + 1 from one 32-bit pair: low half even, high half odd
+      const uint16_t* const* rows = t.rows + 16 * b;
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      for (int d = 0; d < D; d += 2) {
+        if (pairs > 0 && (d & step_mask) == 0) pf->issue<3>(seg, x, pairs);  // steps d and d + 1
+        if (pairs > 0 && ((d + 1) & step_mask) == 0) pf->issue<3>(seg, x, pairs);
+        const __m512 qe = _mm512_loadu_ps(g.qt + d * kLanes), qo = _mm512_loadu_ps(g.qt + (d + 1) * kLanes);
+        for (int j = 0; j < 16; ++j) {
+          int32_t pair;
+          std::memcpy(&pair, rows[j] + d, sizeof(pair));
+          const __m512i w = _mm512_set1_epi32(pair);
+          a[j] = _mm512_fmadd_ps(qe, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), a[j]);
+          a[j] = _mm512_fmadd_ps(qo, _mm512_castsi512_ps(_mm512_and_si512(w, hi)), a[j]);
+        }
+      }
+    } else {
+      const float* kt = t.kt + b * D * 16;
+      for (int d = 0; d < D; ++d) {
+        if (pairs > 0 && (d & step_mask) == 0) pf->issue<3>(seg, x, pairs);
+        const __m512 qd = _mm512_loadu_ps(g.qt + d * kLanes);
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(kt[d * 16 + j]), a[j]);
+      }
     }
     for (int j = 0; j < 16; ++j) _mm512_store_ps(s + (16 * b + j) * kLanes, a[j]);
   }
@@ -320,11 +340,12 @@ SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha,
 }
 
 // ---------------------------------------------------------------- the narrow tile's entry
-template <bool kDirect>
+template <bool kDirect, bool kKeysInPlace = false>
 SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  static_assert(kManyLanes == 15, "the many-lane tile is instantiated for 15 and 16 lanes");
   if constexpr (kDirect) {  // 15 or 16 lanes: the many-lane tile (measured faster from 15, bench/README.md)
-    if (g.live == 15) return tile_many<15>(t, g, D, window, masked);
-    if (g.live == 16) return tile_many<16>(t, g, D, window, masked);
+    if (g.live == 15) return tile_many<15, kKeysInPlace>(t, g, D, window, masked);
+    if (g.live == 16) return tile_many<16, kKeysInPlace>(t, g, D, window, masked);
   }
   switch (g.live) {
     case 1: tile_narrow<1, kDirect>(t, g, D, window, masked); break;
@@ -396,6 +417,9 @@ void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, boo
 }
 void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   narrow_avx512<true>(t, g, D, window, masked);
+}
+void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+  narrow_avx512<true, true>(t, g, D, window, masked);
 }
 
 }  // namespace specrt::attn_cpu

@@ -44,27 +44,43 @@ struct Isa {
   void (*transpose)(const Tile&, int, bool);                          // the narrow tile's keys
   void (*combine)(const float*, int64_t, int64_t, int, float*, float*);
   void (*convert)(const void*, int, int64_t, float*);
+  bool keys_in_place = false;  // narrow_bf16's many-lane groups read no transposed keys
 };
 
+// The highest level this CPU runs: 4 where AVX-512 F/BW/VL is available (see isa_ops).
 int detected_isa() {
   static const int level = [] {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return 3;
+      return 4;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
     return 0;
   }();
   return level;
 }
 
-std::atomic<int> g_isa_cap{3};
+// The level used unless a test caps it: 4 on AMD, whose vector shifts and ands issue beside the fmas
+// (Zen 4), 3 elsewhere (on Intel they share the fma ports; bench/README.md, paged attention).
+int preferred_isa() {
+  const int d = detected_isa();
+  return d == 4 && !__builtin_cpu_is("amd") ? 3 : d;
+}
 
-int active_isa() { return std::min(detected_isa(), g_isa_cap.load(std::memory_order_relaxed)); }
+std::atomic<int> g_isa_cap{-1};  // -1: preferred_isa()
+
+int active_isa() {
+  const int cap = g_isa_cap.load(std::memory_order_relaxed);
+  return cap < 0 ? preferred_isa() : std::min(detected_isa(), cap);
+}
 
 Isa isa_ops(int level) {
-  // 3: AVX-512 with narrow groups; 2: AVX-512, every group 16 lanes wide (same bits, for tests)
-  if (level >= 3)
+  // 4: 3 with the many-lane tile's scores reading a bf16 cache's keys in place; 3: AVX-512 with narrow
+  // groups; 2: AVX-512, every group 16 lanes wide (same bits, for tests)
+  if (level >= 4)
+    return {tile_avx512, narrow_avx512_float, narrow_avx512_bf16_keys, transpose_tile_avx512, combine_avx512,
+            convert_avx512, true};
+  if (level == 3)
     return {tile_avx512, narrow_avx512_float, narrow_avx512_bf16, transpose_tile_avx512, combine_avx512, convert_avx512};
   if (level == 2) return {tile_avx512, nullptr, nullptr, nullptr, combine_avx512, convert_avx512};
   if (level == 1) return {tile_avx2, nullptr, nullptr, nullptr, combine_avx2, convert_avx2};
@@ -266,6 +282,9 @@ class Kernel {
     const Request& r = reqs_[it.b];
     const int64_t num_groups = (G_ * r.query_len + kLanes - 1) / kLanes;
     int64_t score_steps = 0;  // of a tile, every kv head and group
+    // some group reads the tile's transposed keys (the groups before the last have 16 live lanes)
+    const int64_t last_live = (G_ * r.query_len - 1) % kLanes + 1;
+    const bool transpose = narrow_ && !(direct_ && isa_.keys_in_place && last_live >= kManyLanes);
     for (int64_t h = 0; h < Hkv_; ++h)
       for (int64_t gi = 0; gi < num_groups; ++gi) {
         setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
@@ -307,7 +326,7 @@ class Kernel {
         } else {
           load_tile(it.b, h, k0, k1, sc);
         }
-        if (narrow_) isa_.transpose(tile, D_, direct_);
+        if (transpose) isa_.transpose(tile, D_, direct_);
         for (int64_t gi = 0; gi < num_groups; ++gi) {
           LaneGroup& g = sc.groups[h * num_groups + gi];
           // a tile no lane of the group can see changes nothing (see attention.h): skip it
@@ -399,7 +418,7 @@ void paged_attention_cpu(const PagedAttentionArgs& args) { Kernel(args).run(); }
 
 int64_t attention_cpu_isa(int64_t cap) {
   const int before = active_isa();
-  if (cap >= 0) g_isa_cap.store(static_cast<int>(std::min<int64_t>(cap, 3)), std::memory_order_relaxed);
+  if (cap >= 0) g_isa_cap.store(static_cast<int>(std::min<int64_t>(cap, 4)), std::memory_order_relaxed);
   return before;
 }
 

@@ -134,5 +134,8 @@ void narrow_avx512_float(const Tile& t, LaneGroup& g, int D, int32_t window, boo
 void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 void convert_avx512(const void* src, int kind, int64_t n, float* dst);
 void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+// The same, with groups of kManyLanes or more reading their keys in place (t.kt not read).
+void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
+constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache takes the many-lane tile
 
 }  // namespace specrt::attn_cpu

@@ -43,8 +43,10 @@ def philox4x32_10_words(counter: list[int], key: list[int]) -> list[int]:
 def attention_cpu_isa(cap: int = -1) -> int:
     """Testing hook: cap the instruction set of the CPU attention kernel (0 portable scalar code,
     1 AVX2+FMA, 2 AVX-512 with every lane group 16 wide, 3 AVX-512 with narrow groups for few
-    queries per kv head; -1 only asks) and return the level in use before the call. Every level
-    returns the same bits; tests use this to check that."""
+    queries per kv head, 4 the same with the many-lane tile reading a bf16 cache's keys in place;
+    -1 only asks) and return the level in use before the call. Without a cap the kernel takes the
+    CPU's preferred level (4 on AMD, 3 on other AVX-512 CPUs). Every level returns the same bits;
+    tests use this to check that."""
     return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
 
 
