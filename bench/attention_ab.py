@@ -10,6 +10,13 @@ last line gives the median over rounds of each build and their ratio. Usage:
 
   python bench/attention_ab.py BEFORE.so AFTER.so --shape 4096:5:1 --threads 1 --rounds 4
   (shape = context:queries:batch; queries 5 = a K=4 verify step, 1 = a decode step)
+
+Two paths of one build (the kernel's CPU instruction-set levels, `ops.attention_cpu_isa`) are
+compared more tightly: `--levels 3,4` alternates them step by step in this process, so a drift of
+the machine hits both alike, and prints each level's min / lower quartile / median and the median
+of the per-pair ratios (`--rounds` pairs of steps):
+
+  python bench/attention_ab.py --levels 3,4 --shape 4096:5:1 --rounds 30
 """
 from __future__ import annotations
 
@@ -24,6 +31,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torch_threads(n: int) -> None:
+    import torch
+    torch.set_num_threads(n)
 
 
 def run_one(context: int, queries: int, batch: int, layers: int, reps: int, evict_mb: int) -> tuple[float, float]:
@@ -54,9 +66,55 @@ def run_one(context: int, queries: int, batch: int, layers: int, reps: int, evic
     return med, kv_bytes / med / 1e9
 
 
+def compare_levels(levels: list[int], context: int, queries: int, batch: int, layers: int, pairs: int,
+                   evict_mb: int) -> None:
+    """Steps at two ISA levels of the extension in use, alternated (ABBA) in this process."""
+    import torch
+
+    if ROOT not in sys.path:  # run as a script: the repository's bench/ (an installed specrt still first)
+        sys.path.append(ROOT)
+    from bench.attention import HEAD_DIM, paged_context
+    from specrt import ops
+    cache, meta = paged_context(batch, context, layers, torch.bfloat16, queries=queries)
+    q = torch.randn(queries * batch, 9, HEAD_DIM)
+    junk = torch.ones(evict_mb << 18)
+
+    def step() -> float:
+        if junk.numel():
+            junk.mul_(1.0)
+        t = time.perf_counter()
+        for layer in range(layers):
+            ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                HEAD_DIM ** -0.5, 0, queries, context)
+        return time.perf_counter() - t
+
+    default = ops.attention_cpu_isa(-1)
+    times: dict[int, list[float]] = {lv: [] for lv in levels}
+    try:
+        for lv in levels:  # warm-up, and the level each request gets (capped to the CPU's)
+            ops.attention_cpu_isa(lv)
+            if ops.attention_cpu_isa(-1) != lv:
+                raise SystemExit(f"--levels: this CPU runs level {ops.attention_cpu_isa(-1)} at most, not {lv}")
+            step()
+        for i in range(pairs):
+            for lv in (levels if i % 2 == 0 else levels[::-1]):
+                ops.attention_cpu_isa(lv)
+                times[lv].append(step())
+    finally:
+        ops.attention_cpu_isa(default)
+    for lv in levels:
+        x = sorted(times[lv])
+        print(f"  level {lv}: min {x[0] * 1e3:8.2f}  q1 {x[len(x) // 4] * 1e3:8.2f}  "
+              f"median {x[len(x) // 2] * 1e3:8.2f} ms")
+    a, b = levels
+    ratio = statistics.median(y / x for x, y in zip(times[a], times[b]))
+    print(f"paired median, level {b} / level {a} = {ratio:.3f}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("builds", nargs=2, help="two specrt._C shared objects (before, after)")
+    ap.add_argument("builds", nargs="*", help="two specrt._C shared objects (before, after)")
+    ap.add_argument("--levels", help="instead of two builds: two ISA levels of this one, e.g. 3,4")
     ap.add_argument("--shape", default="4096:5:1", help="context:queries:batch")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=30)
@@ -75,6 +133,23 @@ def main(argv=None) -> None:
         med, gbs = run_one(context, queries, batch, args.layers, args.reps, args.evict_mb)
         print(f"{med * 1e3:.3f} {gbs:.3f}")
         return
+    if args.levels is not None:
+        if args.builds:
+            raise SystemExit("--levels compares one build: give no builds")
+        try:
+            levels = [int(x) for x in args.levels.split(",")]
+        except ValueError:
+            levels = []
+        if len(levels) != 2 or levels[0] == levels[1] or min(levels) < 0:
+            raise SystemExit(f"--levels: two different levels >= 0 like 3,4, not {args.levels!r}")
+        torch_threads(args.threads)
+        print(f"paged attention step, shape {args.shape} (context:queries:batch), {args.layers} layers, "
+              f"{args.threads} thread(s), {args.evict_mb} MB evicted between steps; levels {args.levels} "
+              f"alternated in one process, {args.rounds} pairs", flush=True)
+        compare_levels(levels, context, queries, batch, args.layers, args.rounds, args.evict_mb)
+        return
+    if len(args.builds) != 2:
+        raise SystemExit("builds: give two .so files (or --levels)")
     for so in args.builds:
         if not os.path.isfile(so):
             raise SystemExit(f"builds: {so} is not a file")
