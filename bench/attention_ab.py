@@ -33,42 +33,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torch_threads(n: int) -> None:
-    import torch
-    torch.set_num_threads(n)
-
-
-def run_one(context: int, queries: int, batch: int, layers: int, reps: int, evict_mb: int) -> tuple[float, float]:
-    """(median step seconds, KV GB/s) in this process, with whatever specrt._C it imports."""
-    import torch
-
-    from bench.attention import HEAD_DIM, KV_HEADS, paged_context
-    from specrt import ops
-    cache, meta = paged_context(batch, context, layers, torch.bfloat16, queries=queries)
-    q = torch.randn(queries * batch, 9, HEAD_DIM)
-    junk = torch.ones(evict_mb << 18)  # float32: evict_mb MB
-
-    def step() -> None:
-        for layer in range(layers):
-            ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                HEAD_DIM ** -0.5, 0, queries, context)
-
-    step()
-    times = []
-    for _ in range(reps):
-        if junk.numel():
-            junk.mul_(1.0)
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    kv_bytes = layers * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
-    med = statistics.median(times)
-    return med, kv_bytes / med / 1e9
-
-
-def compare_levels(levels: list[int], context: int, queries: int, batch: int, layers: int, pairs: int,
-                   evict_mb: int) -> None:
-    """Steps at two ISA levels of the extension in use, alternated (ABBA) in this process."""
+def timed_step(context: int, queries: int, batch: int, layers: int, evict_mb: int):
+    """A callable: one step over `layers` SmolLM2-shaped bf16 caches (after touching an `evict_mb`
+    buffer, untimed), returning its seconds; with whatever specrt._C this process imports."""
     import torch
 
     if ROOT not in sys.path:  # run as a script: the repository's bench/ (an installed specrt still first)
@@ -77,7 +44,7 @@ def compare_levels(levels: list[int], context: int, queries: int, batch: int, la
     from specrt import ops
     cache, meta = paged_context(batch, context, layers, torch.bfloat16, queries=queries)
     q = torch.randn(queries * batch, 9, HEAD_DIM)
-    junk = torch.ones(evict_mb << 18)
+    junk = torch.ones(evict_mb << 18)  # float32: evict_mb MB
 
     def step() -> float:
         if junk.numel():
@@ -88,6 +55,24 @@ def compare_levels(levels: list[int], context: int, queries: int, batch: int, la
                                 HEAD_DIM ** -0.5, 0, queries, context)
         return time.perf_counter() - t
 
+    return step
+
+
+def run_one(context: int, queries: int, batch: int, layers: int, reps: int, evict_mb: int) -> tuple[float, float]:
+    """(median step seconds, KV GB/s) in this process, with whatever specrt._C it imports."""
+    from bench.attention import HEAD_DIM, KV_HEADS
+    step = timed_step(context, queries, batch, layers, evict_mb)
+    step()
+    med = statistics.median(step() for _ in range(reps))
+    kv_bytes = layers * batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+    return med, kv_bytes / med / 1e9
+
+
+def compare_levels(levels: list[int], context: int, queries: int, batch: int, layers: int, pairs: int,
+                   evict_mb: int) -> None:
+    """Steps at two ISA levels of the extension in use, alternated (ABBA) in this process."""
+    step = timed_step(context, queries, batch, layers, evict_mb)  # puts the repository on sys.path
+    from specrt import ops
     default = ops.attention_cpu_isa(-1)
     times: dict[int, list[float]] = {lv: [] for lv in levels}
     try:
@@ -142,7 +127,8 @@ def main(argv=None) -> None:
             levels = []
         if len(levels) != 2 or levels[0] == levels[1] or min(levels) < 0:
             raise SystemExit(f"--levels: two different levels >= 0 like 3,4, not {args.levels!r}")
-        torch_threads(args.threads)
+        import torch
+        torch.set_num_threads(args.threads)
         print(f"paged attention step, shape {args.shape} (context:queries:batch), {args.layers} layers, "
               f"{args.threads} thread(s), {args.evict_mb} MB evicted between steps; levels {args.levels} "
               f"alternated in one process, {args.rounds} pairs", flush=True)

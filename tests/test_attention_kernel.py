@@ -422,6 +422,7 @@ def test_build_ab_script_runs(tmp_path):
                          text=True)
     assert bad.returncode != 0 and "none.so is not a file" in bad.stderr
 
+
 def test_level_ab_mode_runs():
     """bench/attention_ab.py --levels alternates two ISA levels of the current build in one process
     (scalar and AVX2-or-lower here, so any x86 CPU runs it), and refuses a malformed pair by name."""
@@ -431,10 +432,10 @@ def test_level_ab_mode_runs():
 
     root = Path(__file__).resolve().parent.parent
     top = min(ops.attention_cpu_isa(-1), 1)
-    cmd = [sys.executable, str(root / "bench" / "attention_ab.py"), "--levels", f"0,{top}", "--shape", "64:5:1",
-           "--layers", "1", "--rounds", "2", "--evict-mb", "0"]
     if top == 0:
         pytest.skip("needs a second level (AVX2)")
+    cmd = [sys.executable, str(root / "bench" / "attention_ab.py"), "--levels", f"0,{top}", "--shape", "64:5:1",
+           "--layers", "1", "--rounds", "2", "--evict-mb", "0"]
     out = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "level 0: min" in out.stdout and f"paired median, level {top} / level 0" in out.stdout
