@@ -89,7 +89,8 @@ SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], 
 // lane's acc is kept [D / 32][even 16 | odd 16] (the driver's finish puts the dims back in order).
 // acc[i][32 c .. 32 (c + CH)) = acc * alpha_i, then += p_i[j] * v_j in key order.
 // p_i[j] is p[i * LS + j * KS]: [lane][key] (LS = kTileKeys, KS = 1) or [key][lane] (1, kLanes).
-template <int NL, int CH, int LS = kTileKeys, int KS = 1>
+// kPrefetch: one prefetch step per key (t.prefetch, as in scores_narrow; prefetch_steps counts them).
+template <int NL, int CH, int LS = kTileKeys, int KS = 1, bool kPrefetch = false>
 SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* alpha, int D, int c, float* acc) {
   __m512 o[NL][CH][2];
   for (int i = 0; i < NL; ++i)
@@ -97,7 +98,14 @@ SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* a
       for (int e = 0; e < 2; ++e)
         o[i][x][e] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 32 * (c + x) + 16 * e), _mm512_set1_ps(alpha[i]));
   const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  Prefetch* const pf = kPrefetch ? t.prefetch : nullptr;
+  int seg = pf != nullptr ? pf->s : 0;
+  int64_t px = pf != nullptr ? pf->x : 0;
+  const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
+  const int step_mask = pf != nullptr ? pf->step_mask : 0;
   for (int j = 0; j < t.n; ++j) {
+    if constexpr (kPrefetch)
+      if (pairs > 0 && (j & step_mask) == 0) pf->issue(seg, px, pairs);
     const uint16_t* vh = t.rows[j] + t.vplane + 32 * c;
     for (int x = 0; x < CH; ++x) {
       const __m512i pair = _mm512_loadu_si512(vh + 32 * x);
@@ -110,6 +118,7 @@ SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* a
       }
     }
   }
+  if (kPrefetch && pf != nullptr) pf->s = seg, pf->x = px;
   for (int i = 0; i < NL; ++i)
     for (int x = 0; x < CH; ++x)
       for (int e = 0; e < 2; ++e) _mm512_storeu_ps(acc + i * D + 32 * (c + x) + 16 * e, o[i][x][e]);
@@ -155,12 +164,13 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
 }
 
 // p * v for lanes i0 .. i0+NL-1: from the float tile NL <= 6, 4 chunks of 16 dims at a time (NL x 4
-// accumulators); from a bf16 cache NL <= 8, 32 dims at a time (NL x 2).
+// accumulators); from a bf16 cache NL <= 8, 32 dims at a time (NL x 2), issuing the next tile's
+// prefetch as it goes.
 template <int NL, bool kDirect>
 SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
                                    float* acc) {
   if constexpr (kDirect) {  // 32 dims per pass: NL x 2 accumulators
-    for (int c = 0; c < D / 32; ++c) pv_pairs<NL, 1>(t, p[i0], alpha + i0, D, c, acc + i0 * D);
+    for (int c = 0; c < D / 32; ++c) pv_pairs<NL, 1, kTileKeys, 1, true>(t, p[i0], alpha + i0, D, c, acc + i0 * D);
     return;
   }
   const int chunks = D / 16;

@@ -244,7 +244,7 @@ class Kernel {
   }
 
   // The cache lines of keys [k0, k1) of request b (K and V rows, every kv head), queued in sc.prefetch:
-  // the narrow tile requests them over the `steps` score steps of the tile computed meanwhile.
+  // the narrow tile requests them over the `steps` prefetch steps of the tile computed meanwhile.
   void queue_prefetch(int64_t b, int64_t k0, int64_t k1, int64_t steps, Scratch& sc) const {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
     const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
@@ -262,8 +262,8 @@ class Kernel {
       lines += (n * row_bytes + 63) / 64;
       kp += n;
     }
-    // spread over the tile's score steps (every kv head runs them): a few pairs per step, or one pair
-    // every 2^n steps
+    // spread over the tile's prefetch steps (every kv head runs them): a few pairs per step, or one
+    // pair every 2^n steps
     p.pairs_per_step = static_cast<int>((lines + steps - 1) / steps);
     p.step_mask = 0;
     while (p.pairs_per_step == 1 && (p.step_mask + 1) * 2 * lines <= steps) p.step_mask = 2 * p.step_mask + 1;
@@ -281,14 +281,14 @@ class Kernel {
   void process(const Item& it, Scratch& sc, const std::atomic<int64_t>& next) const {
     const Request& r = reqs_[it.b];
     const int64_t num_groups = (G_ * r.query_len + kLanes - 1) / kLanes;
-    int64_t score_steps = 0;  // of a tile, every kv head and group
+    int64_t steps = 0;  // the prefetch steps of a tile, every kv head and group (prefetch_steps)
     // some group reads the tile's transposed keys (the groups before the last have 16 live lanes)
     const int64_t last_live = (G_ * r.query_len - 1) % kLanes + 1;
     const bool transpose = narrow_ && !(direct_ && isa_.keys_in_place && last_live >= kManyLanes);
     for (int64_t h = 0; h < Hkv_; ++h)
       for (int64_t gi = 0; gi < num_groups; ++gi) {
         setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
-        score_steps += score_passes(sc.groups[h * num_groups + gi].live) * D_;
+        steps += prefetch_steps(sc.groups[h * num_groups + gi].live, D_, direct_);
       }
     const auto [key_begin, key_end] = chunk_keys(it);
     const int32_t window = static_cast<int32_t>(a_.window > 0 && a_.window < r.seq_len ? a_.window : 0);
@@ -298,12 +298,12 @@ class Kernel {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
       // the next tile; after the chunk's last, the first tile of the item at the queue's head
       if (t0 + kTileKeys < key_end) {
-        queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end), score_steps, sc);
+        queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end), steps, sc);
       } else if (const int64_t i = next.load(std::memory_order_relaxed); i < static_cast<int64_t>(items_.size())) {
         const auto [b, e] = chunk_keys(items_[i]);
-        queue_prefetch(items_[i].b, b, std::min(b - b % kTileKeys + kTileKeys, e), score_steps, sc);
+        queue_prefetch(items_[i].b, b, std::min(b - b % kTileKeys + kTileKeys, e), steps, sc);
       } else {
-        queue_prefetch(it.b, 0, 0, score_steps, sc);  // nothing
+        queue_prefetch(it.b, 0, 0, steps, sc);  // nothing
       }
       if (direct_) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
         int64_t blk = k0 / bs_, o = k0 % bs_;

@@ -32,10 +32,11 @@ struct LaneGroup {
   int live;     // lanes holding a real query (1..16)
 };
 
-// The next tile's cache lines, requested a few per step of the AVX-512 score loops while this
-// tile is computed: spread over its arithmetic rather than issued in one burst that stalls the core
-// on its fill buffers (bench/README.md, paged attention). The tile's keys are a few contiguous block
-// segments of K rows; each V line is `plane` bytes after its K line.
+// The next tile's cache lines, requested a few per step of the AVX-512 score loops (and, on a bf16
+// cache, of the narrow tile's p * v key loops) while this tile is computed: spread over its arithmetic
+// rather than issued in one burst that stalls the core on its fill buffers (bench/README.md, paged
+// attention). The tile's keys are a few contiguous block segments of K rows; each V line is `plane`
+// bytes after its K line.
 struct Prefetch {
   const char* seg[kTileKeys + 1];
   int64_t seg_bytes[kTileKeys + 1];
@@ -74,7 +75,8 @@ struct Tile {
   Prefetch* prefetch = nullptr;  // the next tile's lines (narrow tile; null: none)
 };
 
-// Score passes of the narrow tile over a group of `live` lanes (at most 8 lanes, 16 accumulators, each).
+// Score passes of the narrow tile over a group of `live` lanes (at most 8 lanes, 16 accumulators, each);
+// on a bf16 cache its p * v also takes lanes 8 at a time.
 inline int score_passes(int live) { return live <= 8 ? 1 : 2; }
 
 // max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
@@ -137,5 +139,13 @@ void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool
 // The same, with groups of kManyLanes or more reading their keys in place (t.kt not read).
 void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache takes the many-lane tile
+
+// The steps over which a narrow group's tile issues the next tile's prefetch: its score steps (D per
+// pass) and, on a bf16 cache below kManyLanes lanes, its p * v key steps (kTileKeys per 32 dims per
+// pass), where the memory-bound decode measured faster with the requests spread over both.
+inline int prefetch_steps(int live, int D, bool direct) {
+  const int pv = direct && live < kManyLanes ? score_passes(live) * kTileKeys * (D / 32) : 0;
+  return score_passes(live) * D + pv;
+}
 
 }  // namespace specrt::attn_cpu
