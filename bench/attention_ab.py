@@ -4,8 +4,9 @@ On a shared machine the memory bandwidth drifts by 2x within minutes, so separat
 bench/attention.py cannot tell a 10% change from noise. This times the same step with two builds of
 specrt._C (two .so files, e.g. the extension before and after a change), each in its own process,
 taking turns `--rounds` times. Every run builds the same 30-layer SmolLM2-shaped bf16 cache
-(bench/attention.py's `paged_context`), touches an `--evict-mb` buffer between steps so the KV comes
-from DRAM as in a forward, and reports the median step time and the achieved KV read bandwidth. The
+(bench/attention.py's `paged_context`), reads an `--evict-mb` buffer between steps so the KV comes
+from DRAM as in a forward (reads, as a forward reads its weights: a buffer written there would leave
+dirty lines whose write-back the timed step pays, ~10% of a step measured), and reports the median step time and the achieved KV read bandwidth. The
 last line gives the median over rounds of each build and their ratio. Usage:
 
   python bench/attention_ab.py BEFORE.so AFTER.so --shape 4096:5:1 --threads 1 --rounds 4
@@ -48,7 +49,7 @@ def timed_step(context: int, queries: int, batch: int, layers: int, evict_mb: in
 
     def step() -> float:
         if junk.numel():
-            junk.mul_(1.0)
+            float(junk.sum())  # read, not written: no dirty lines left for the step to write back
         t = time.perf_counter()
         for layer in range(layers):
             ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens, meta.query_start_loc,
@@ -105,7 +106,7 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=7, help="steps per run (median)")
     ap.add_argument("--rounds", type=int, default=4, help="runs of each build, alternated")
-    ap.add_argument("--evict-mb", type=int, default=1024, help="buffer touched between steps (0: hot cache)")
+    ap.add_argument("--evict-mb", type=int, default=1024, help="buffer read between steps (0: hot cache)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     context, queries, batch = (int(x) for x in args.shape.split(":"))

@@ -395,8 +395,10 @@ def test_benchmark_script_runs(capsys, tmp_path):
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
-    assert "copy bandwidth" in out and "sdpa/kernel" in out
-    rows = json.loads((tmp_path / "out.json").read_text())["attention"]
+    assert "read bandwidth" in out and "sdpa/kernel" in out
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["read_bandwidth"]["1"] > 0 and result["copy_bandwidth"]["1"] > 0
+    rows = result["attention"]
     assert [(r["batch"], r["context"]) for r in rows] == [(2, 40), (2, 300)]
     assert all(r["kv_mb"] > 0 and r["floor_ms"] > 0 for r in rows)
 
