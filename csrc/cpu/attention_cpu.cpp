@@ -250,23 +250,14 @@ class Kernel {
     const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
     const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
     Prefetch& p = sc.prefetch;
-    p.plane = plane_ * a_.kv_cache.element_size();
-    p.segs = p.s = 0;
-    p.x = 0;
-    int64_t lines = 0;
+    p.reset(plane_ * a_.kv_cache.element_size());
     for (int64_t kp = k0; kp < k1;) {  // one block segment at a time
       const int64_t off = kp % bs_;
       const int64_t n = std::min(k1 - kp, bs_ - off);
-      p.seg[p.segs] = base + (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row_bytes;
-      p.seg_bytes[p.segs++] = n * row_bytes;
-      lines += (n * row_bytes + 63) / 64;
+      p.add(base + (static_cast<int64_t>(table[kp / bs_]) * bs_ + off) * row_bytes, n * row_bytes);
       kp += n;
     }
-    // spread over the tile's prefetch steps (every kv head runs them): a few pairs per step, or one
-    // pair every 2^n steps
-    p.pairs_per_step = static_cast<int>((lines + steps - 1) / steps);
-    p.step_mask = 0;
-    while (p.pairs_per_step == 1 && (p.step_mask + 1) * 2 * lines <= steps) p.step_mask = 2 * p.step_mask + 1;
+    p.pace(steps);  // over the tile's prefetch steps (every kv head runs them)
     if (!narrow_) p.drain();  // the other tiles take them in one burst
   }
 

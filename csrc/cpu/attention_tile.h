@@ -44,8 +44,24 @@ struct Prefetch {
   int segs = 0;
   int s = 0;           // cursor: segment s, byte x
   int64_t x = 0;
-  int pairs_per_step = 0;  // K + V line pairs per score step
+  int pairs_per_step = 0;  // K + V line pairs per prefetch step
   int step_mask = 0;       // ... on the steps d with (d & step_mask) == 0
+  // An empty queue; V lines `plane_bytes` after their K lines.
+  void reset(int64_t plane_bytes) {
+    plane = plane_bytes;
+    segs = s = 0;
+    x = 0;
+    pairs_per_step = step_mask = 0;
+  }
+  void add(const char* p, int64_t bytes) { seg[segs] = p, seg_bytes[segs++] = bytes; }
+  // Spread the queued lines over `steps` prefetch steps: a few pairs per step, or one every 2^n steps.
+  void pace(int64_t steps) {
+    int64_t lines = 0;
+    for (int i = 0; i < segs; ++i) lines += (seg_bytes[i] + 63) / 64;
+    pairs_per_step = static_cast<int>((lines + steps - 1) / steps);
+    step_mask = 0;
+    while (pairs_per_step == 1 && (step_mask + 1) * 2 * lines <= steps) step_mask = 2 * step_mask + 1;
+  }
   // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
   // cursor held in registers. Into L2 (locality 2), or into L1 (3) for the many-lane tile, where that
   // measured faster (bench/README.md, paged attention; a decode's narrow tile is slower with it).
