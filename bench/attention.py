@@ -10,14 +10,12 @@ batch 1 and 8, contexts 4k and 8k, with 1 and 2 threads, it prints:
               (``llama.paged_attention_sdpa``), timed alternately in this process; the ratio
               is the median over repeats of sdpa / kernel. Goal: ratio >= 2.
   floor       the memory floor of that step: KV bytes it must read / read bandwidth, where the
-              read bandwidth is bytes per second of an integer max over 256 MB (a pure read
-              stream, as bench/forward.py measures it), the best of 9 measured in the same run
-              with the same thread count (so the floor is the lowest the machine showed). Until
-              2026-12-03 the floor used a 256 MB ``Tensor.copy_``'s read rate, about half the read
-              bandwidth (the copy also writes): earlier "x floor" figures in bench/README.md are
-              against that lower bandwidth. "kernel cpu" is the process CPU time of the kernel's
-              step (all threads): unlike wall time it does not grow while other processes hold
-              the cores.
+              read bandwidth is bytes per second of an int32 max over 256 MB (a pure read
+              stream, bench/machine.py's read_bandwidth), the best of 9 measured in the same run
+              with the same thread count (so the floor is the lowest the machine showed); a copy's
+              read rate (about half of it: the floor of results before 2026-12-03, bench/README.md)
+              is printed beside it. "kernel cpu" is the process CPU time of the kernel's step (all
+              threads): unlike wall time it does not grow while other processes hold the cores.
   forward     a SmolLM2-shaped random-weight model's verify forward at 4k and at 8k; its
               growth t(8k) - t(4k) against the extra KV bytes it reads / read bandwidth
               (goal: close to 1x), for the kernel and for the SDPA backend.
@@ -43,6 +41,7 @@ import torch
 
 # the checkout, after site-packages: an installed specrt wins (and its spawned workers agree)
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.machine import copy_read_rate, read_bandwidth  # noqa: E402
 from specrt import ops  # noqa: E402
 from specrt.attention import AttentionMetadata  # noqa: E402
 from specrt.models.config import ModelConfig  # noqa: E402
@@ -89,34 +88,6 @@ class ForwardRow:
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def _best_seconds(fn, reps: int, device: str) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def read_bandwidth(reps: int = 9, device: str = "cpu") -> float:
-    """Bytes per second of an int32 max over 256 MB, a pure read stream (the best of `reps`), at the
-    current thread count: the floor's bandwidth (an integer max reads at full speed; a float one
-    checks NaNs)."""
-    ints = torch.ones(64 << 20, dtype=torch.int32, device=device)
-    return ints.numel() * 4 / _best_seconds(lambda: torch.amax(ints), reps, device)
-
-
-def copy_bandwidth(reps: int = 9, device: str = "cpu") -> float:
-    """Bytes read per second by a 256 MB copy (the best of `reps`): the floor's bandwidth until
-    2026-12-03, still printed beside the read bandwidth to compare with earlier results."""
-    src = torch.ones(64 << 20, device=device)
-    dst = torch.empty_like(src)
-    return src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), reps, device)
 
 
 def paged_context(batch: int, context: int, layers: int, dtype, seed: int = 0, device: str = "cpu",
@@ -298,7 +269,7 @@ def main(argv=None) -> None:
     for n in threads:
         torch.set_num_threads(n)
         bw = bandwidths[n] = read_bandwidth()
-        copies[n] = copy_bandwidth()
+        copies[n] = copy_read_rate()
         print(f"\n-- {n} thread(s): read bandwidth {bw / 1e9:.1f} GB/s (the floor's; int32 max over 256 MB, best "
               f"of 9); a copy reads {copies[n] / 1e9:.1f} GB/s")
         print(f"{'batch':>5} {'context':>7} {'kernel ms':>10} {'(cpu ms)':>9} {'sdpa ms':>10} {'sdpa/kernel':>12} "

@@ -5,9 +5,9 @@ bench/attention.py cannot tell a 10% change from noise. This times the same step
 specrt._C (two .so files, e.g. the extension before and after a change), each in its own process,
 taking turns `--rounds` times. Every run builds the same 30-layer SmolLM2-shaped bf16 cache
 (bench/attention.py's `paged_context`), reads an `--evict-mb` buffer between steps so the KV comes
-from DRAM as in a forward (reads, as a forward reads its weights: a buffer written there would leave
-dirty lines whose write-back the timed step pays, ~10% of a step measured), and reports the median step time and the achieved KV read bandwidth. The
-last line gives the median over rounds of each build and their ratio. Usage:
+from DRAM as in a forward (read, as a forward reads its weights: a written buffer would leave dirty
+lines whose write-back the timed step pays), and reports the median step time and the achieved KV
+read bandwidth. The last line gives the median over rounds of each build and their ratio. Usage:
 
   python bench/attention_ab.py BEFORE.so AFTER.so --shape 4096:5:1 --threads 1 --rounds 4
   (shape = context:queries:batch; queries 5 = a K=4 verify step, 1 = a decode step)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 # the checkout, after site-packages: an installed specrt wins (and its spawned workers agree)
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import copy_read_rate, read_bandwidth  # noqa: E402
 from specrt import ops  # noqa: E402
 from specrt.kv_cache import PagedKVCache  # noqa: E402
 from specrt.models.config import ModelConfig  # noqa: E402
@@ -68,15 +69,6 @@ MODES = ("fp32", "bf16", "int8", "q8_0", "q4_0", "q4_1", "int8-a8", "q4_1-a8")  
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time; 1 thread only)
 
 
-def median_time(fn, repeats: int) -> float:
-    ts = []
-    for _ in range(repeats):
-        t = CLOCK()
-        fn()
-        ts.append(CLOCK() - t)
-    return statistics.median(ts)
-
-
 def alternate(fns: dict, repeats: int, inner: int = 1) -> dict[str, float]:
     """Median seconds per call of each fn, timed round-robin (one call of each per round)."""
     for fn in fns.values():
@@ -93,13 +85,11 @@ def alternate(fns: dict, repeats: int, inner: int = 1) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- bandwidth
 def bandwidth(mbytes: int = 512, repeats: int = 7) -> dict[str, float]:
+    """One thread's copy (read + write bytes) and read bandwidth in GB/s, medians of `repeats`."""
     torch.set_num_threads(1)
-    a = torch.ones(mbytes * 2**20 // 4)
-    b = torch.empty_like(a)
-    copy = median_time(lambda: b.copy_(a), repeats)
-    ints = a.view(torch.int32)  # an integer max reads at full speed (a float one checks NaNs)
-    read = median_time(lambda: torch.amax(ints), repeats)
-    return {"copy_gbs": 2 * a.numel() * 4 / copy / 1e9, "read_gbs": a.numel() * 4 / read / 1e9}
+    med = statistics.median
+    return {"copy_gbs": 2 * copy_read_rate(mbytes, repeats, pick=med) / 1e9,
+            "read_gbs": read_bandwidth(mbytes, repeats, pick=med) / 1e9}
 
 
 # ----------------------------------------------------------------------------- model

@@ -35,7 +35,6 @@ def test_benchmark_script_runs(capsys, tmp_path):
     assert all(r["kv_mb"] > 0 and r["floor_ms"] > 0 for r in rows)
 
 
-
 def test_build_ab_script_runs(tmp_path):
     """bench/attention_ab.py alternates two builds in child processes, each importing its own copy:
     the current extension twice, on a tiny shape (and a missing build is refused by name)."""
@@ -106,4 +105,12 @@ def test_tile_harness_runs(tmp_path):
                        "--build-dir", str(tmp_path / "build"), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["lanes"], r["level"]) for r in rows] == [(3, 4), (3, 3), (15, 4), (15, 3)]
-    assert all(r[m]["median_ns"] > 0 and r[m]["kv_gbs"] > 0 for r in rows for m in ("hot", "stream", "nopf"))
+    for r in rows:
+        for mode in ("hot", "stream", "nopf"):
+            m = r[mode]
+            assert 0 < m["min_ns"] <= m["median_ns"]
+            # a tile and kv head reads 32 keys x 64 dims of bf16 K and V: 8 KB per median_ns
+            assert abs(m["kv_gbs"] * m["median_ns"] - 8192) < 0.01 * 8192
+    exe = str(next((tmp_path / "build").glob("attention_tile")))
+    with pytest.raises(SystemExit, match="LANES must be 1..16"):
+        bench.run(exe, 17, 4, 1, 1)

@@ -158,7 +158,7 @@ constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache
 
 // The steps over which a narrow group's tile issues the next tile's prefetch: its score steps (D per
 // pass) and, on a bf16 cache below kManyLanes lanes, its p * v key steps (kTileKeys per 32 dims per
-// pass), where the memory-bound decode measured faster with the requests spread over both.
+// pass), so a memory-bound decode keeps requests in flight through p * v too.
 inline int prefetch_steps(int live, int D, bool direct) {
   const int pv = direct && live < kManyLanes ? score_passes(live) * kTileKeys * (D / 32) : 0;
   return score_passes(live) * D + pv;
