@@ -91,10 +91,11 @@ struct Bench {
   // One tile, every kv head, as the driver's process() runs it.
   void run_tile(const uint16_t* const* rows0) {
     const uint16_t* rows[kTileKeys];
-    const bool transpose = !(level >= 4 && lanes >= kManyLanes);
+    const bool in_registers = keys_in_registers(1, lanes, true);
+    const bool transpose = !in_registers && !(level >= 4 && lanes >= kManyLanes);
     for (int h = 0; h < kHeads; ++h) {
       for (int j = 0; j < kTileKeys; ++j) rows[j] = rows0[j] + h * kD;
-      Tile tile{nullptr, nullptr, kD, kTileKeys, 0, kt};
+      Tile tile{nullptr, nullptr, kD, kTileKeys, 0, in_registers ? nullptr : kt};
       tile.rows = rows;
       tile.vplane = plane;
       tile.prefetch = &prefetch;

@@ -64,6 +64,32 @@ SPECRT_AVX512 inline void transpose_keys_bf16(const uint16_t* const* rows, int c
   }
 }
 
+// Keys 0..15 of a bf16 cache read in place (rows[j]), dims d0 .. d0+15 (8 bf16 pairs per row): o[p] holds
+// the 16 keys' pair p. Rows k and k + 4 share a register, so one 128-bit lane shuffle ends each column.
+SPECRT_AVX512 inline void transpose_pairs_16x8(const uint16_t* const* rows, int d0, __m512 (&o)[8]) {
+  __m512 r[8], u[8];
+  for (int g = 0; g < 2; ++g)
+    for (int k = 0; k < 4; ++k) {
+      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * g + k] + d0));
+      const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * g + k + 4] + d0));
+      r[4 * g + k] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+  for (int i = 0; i < 8; i += 2) {  // as transpose16: per 128-bit lane, then 64-bit pairs of elements
+    u[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    u[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[i]), _mm512_castps_pd(u[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[i]), _mm512_castps_pd(u[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[i + 1]), _mm512_castps_pd(u[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[i + 1]), _mm512_castps_pd(u[i + 3])));
+  }
+  for (int e = 0; e < 4; ++e) {  // r[e] lanes: rows 0-3 / 4-7, columns e (lanes 0, 1) and 4 + e (2, 3)
+    o[e] = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    o[4 + e] = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+  }
+}
+
 // acc[i][c .. c+CH) = acc * alpha_i, then += p_i[j] * v_j in key order (CH 16-float chunks of D; V from
 // the float tile).
 template <int NL, int CH>
@@ -124,8 +150,20 @@ SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* a
       for (int e = 0; e < 2; ++e) _mm512_storeu_ps(acc + i * D + 32 * (c + x) + 16 * e, o[i][x][e]);
 }
 
-// Scores of lanes i0 .. i0+NL-1 over the tile's keys (t.kt transposed), masked, into s[i0 + i].
+// One score step: dim d of keys 0..15 (k0) and 16..31 (k1) into both halves' accumulators.
 template <int NL>
+SPECRT_AVX512 inline void score_step(const LaneGroup& g, int d, int i0, __m512 k0, __m512 k1, __m512 (&a)[2][NL]) {
+  for (int i = 0; i < NL; ++i) {
+    const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
+    a[0][i] = _mm512_fmadd_ps(qd, k0, a[0][i]);
+    a[1][i] = _mm512_fmadd_ps(qd, k1, a[1][i]);
+  }
+}
+
+// Scores of lanes i0 .. i0+NL-1 over the tile's keys, masked, into s[i0 + i]: from t.kt (transposed
+// once per tile and kv head) or, with t.kt null (kDirect, a lone group of at most kFewLanes), from the
+// bf16 rows transposed 16 dims at a time in registers, where so few lanes would not repay a stored kt.
+template <int NL, bool kDirect>
 SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D, int i0, int32_t window, bool masked,
                                         float (*s)[kTileKeys]) {
   __m512 a[2][NL];
@@ -136,13 +174,31 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
   int64_t x = pf != nullptr ? pf->x : 0;
   const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
   const int step_mask = pf != nullptr ? pf->step_mask : 0;
-  for (int d = 0; d < D; ++d) {
-    if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
-    const __m512 k0 = _mm512_loadu_ps(t.kt + d * 16), k1 = _mm512_loadu_ps(t.kt + (D + d) * 16);
-    for (int i = 0; i < NL; ++i) {
-      const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
-      a[0][i] = _mm512_fmadd_ps(qd, k0, a[0][i]);
-      a[1][i] = _mm512_fmadd_ps(qd, k1, a[1][i]);
+  bool done = false;
+  if constexpr (kDirect && NL <= kFewLanes) {
+    if (t.kt == nullptr) {
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+      for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 o0[8], o1[8];
+        transpose_pairs_16x8(t.rows, d0, o0);
+        transpose_pairs_16x8(t.rows + 16, d0, o1);
+        for (int p = 0; p < 8; ++p) {  // dims d0 + 2p (low half of each pair) and d0 + 2p + 1 (high)
+          const int d = d0 + 2 * p;
+          if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
+          score_step<NL>(g, d, i0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(o0[p]), 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(o1[p]), 16)), a);
+          if (pairs > 0 && ((d + 1) & step_mask) == 0) pf->issue(seg, x, pairs);
+          score_step<NL>(g, d + 1, i0, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(o0[p]), hi)),
+                         _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(o1[p]), hi)), a);
+        }
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+    for (int d = 0; d < D; ++d) {
+      if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
+      score_step<NL>(g, d, i0, _mm512_loadu_ps(t.kt + d * 16), _mm512_loadu_ps(t.kt + (D + d) * 16), a);
     }
   }
   if (pf != nullptr) pf->s = seg, pf->x = x;
@@ -164,13 +220,16 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
 }
 
 // p * v for lanes i0 .. i0+NL-1: from the float tile NL <= 6, 4 chunks of 16 dims at a time (NL x 4
-// accumulators); from a bf16 cache NL <= 8, 32 dims at a time (NL x 2), issuing the next tile's
-// prefetch as it goes.
+// accumulators); from a bf16 cache NL <= 8, 32 dims at a time (NL x 2), or 64 up to kFewLanes lanes
+// (NL x 4, enough independent chains to cover the fma latency), issuing the next tile's prefetch as it goes.
 template <int NL, bool kDirect>
 SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
                                    float* acc) {
-  if constexpr (kDirect) {  // 32 dims per pass: NL x 2 accumulators
-    for (int c = 0; c < D / 32; ++c) pv_pairs<NL, 1, kTileKeys, 1, true>(t, p[i0], alpha + i0, D, c, acc + i0 * D);
+  if constexpr (kDirect) {  // 32 dims per pass: NL x 2 accumulators; up to kFewLanes lanes 64 (NL x 4)
+    int c = 0;
+    if constexpr (NL <= kFewLanes)
+      for (; c + 2 <= D / 32; c += 2) pv_pairs<NL, 2, kTileKeys, 1, true>(t, p[i0], alpha + i0, D, c, acc + i0 * D);
+    for (; c < D / 32; ++c) pv_pairs<NL, 1, kTileKeys, 1, true>(t, p[i0], alpha + i0, D, c, acc + i0 * D);
     return;
   }
   const int chunks = D / 16;
@@ -186,10 +245,10 @@ template <int NL, bool kDirect>
 SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[NL][kTileKeys];
   if constexpr (NL <= 8) {  // at most 16 score accumulators per pass (score_passes)
-    scores_narrow<NL>(t, g, D, 0, window, masked, s);
+    scores_narrow<NL, kDirect>(t, g, D, 0, window, masked, s);
   } else {
-    scores_narrow<NL / 2>(t, g, D, 0, window, masked, s);
-    scores_narrow<NL - NL / 2>(t, g, D, NL / 2, window, masked, s);
+    scores_narrow<NL / 2, kDirect>(t, g, D, 0, window, masked, s);
+    scores_narrow<NL - NL / 2, kDirect>(t, g, D, NL / 2, window, masked, s);
   }
   // running max, rescale factor and the new p: the wide tile's vector code on the lane vector. The
   // tile max may be taken in any order: it differs from the wide tile's only in the sign of a zero

@@ -275,7 +275,8 @@ class Kernel {
     int64_t steps = 0;  // the prefetch steps of a tile, every kv head and group (prefetch_steps)
     // some group reads the tile's transposed keys (the groups before the last have 16 live lanes)
     const int64_t last_live = (G_ * r.query_len - 1) % kLanes + 1;
-    const bool transpose = narrow_ && !(direct_ && isa_.keys_in_place && last_live >= kManyLanes);
+    const bool in_registers = keys_in_registers(num_groups, static_cast<int>(last_live), direct_);
+    const bool transpose = narrow_ && !in_registers && !(direct_ && isa_.keys_in_place && last_live >= kManyLanes);
     for (int64_t h = 0; h < Hkv_; ++h)
       for (int64_t gi = 0; gi < num_groups; ++gi) {
         setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
@@ -308,7 +309,8 @@ class Kernel {
         }
       }
       for (int64_t h = 0; h < Hkv_; ++h) {
-        Tile tile{sc.kbuf, sc.vbuf, D_, static_cast<int>(k1 - k0), static_cast<int32_t>(k0), sc.kt};
+        Tile tile{sc.kbuf, sc.vbuf, D_, static_cast<int>(k1 - k0), static_cast<int32_t>(k0),
+                  in_registers ? nullptr : sc.kt};
         tile.prefetch = &sc.prefetch;
         if (direct_) {
           for (int64_t j = 0; j < kTileKeys; ++j) sc.rows[j] = cache16 + sc.off[j] + h * D_;

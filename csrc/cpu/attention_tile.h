@@ -83,7 +83,8 @@ struct Tile {
   int64_t stride;
   int n;
   int32_t k0;
-  float* kt;  // [2][D][16]: the tile's keys transposed for the narrow tile (transpose_tile_avx512)
+  float* kt;  // [2][D][16]: the tile's keys transposed for the narrow tile (transpose_tile_avx512); null
+              //   where the group transposes them in registers (keys_in_registers)
   // narrow tile on a bf16 cache, read in place (k, v unused): key j's K row of this kv head; its V row
   // is vplane elements further (rows past n repeat row n - 1)
   const uint16_t* const* rows = nullptr;
@@ -156,12 +157,23 @@ void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool
 void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache takes the many-lane tile
 
+// A narrow group of at most kFewLanes lanes on a bf16 cache (a decode's: G query heads per kv head)
+// takes p * v 64 dims per key loop and, when it is its tile's only group, transposes the keys in
+// registers inside its score loop (the tile's t.kt null, transpose_tile_avx512 not called).
+constexpr int kFewLanes = 4;
+inline bool keys_in_registers(int64_t groups, int live, bool direct) {
+  return direct && groups == 1 && live <= kFewLanes;
+}
+
 // The steps over which a narrow group's tile issues the next tile's prefetch: its score steps (D per
-// pass) and, on a bf16 cache below kManyLanes lanes, its p * v key steps (kTileKeys per 32 dims per
-// pass), so a memory-bound decode keeps requests in flight through p * v too.
+// pass) and, on a bf16 cache below kManyLanes lanes, its p * v key steps (kTileKeys per key loop: one
+// per 32 dims, per 64 up to kFewLanes lanes), so a memory-bound decode keeps requests in flight through
+// p * v too.
+inline int pv_key_loops(int lanes, int D) { return lanes <= kFewLanes ? D / 64 + D % 64 / 32 : D / 32; }
 inline int prefetch_steps(int live, int D, bool direct) {
-  const int pv = direct && live < kManyLanes ? score_passes(live) * kTileKeys * (D / 32) : 0;
-  return score_passes(live) * D + pv;
+  if (!direct || live >= kManyLanes) return score_passes(live) * D;
+  const int pv = live <= 8 ? pv_key_loops(live, D) : pv_key_loops(live - live / 2, D) + pv_key_loops(live / 2, D);
+  return score_passes(live) * D + kTileKeys * pv;
 }
 
 }  // namespace specrt::attn_cpu
