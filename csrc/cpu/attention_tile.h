@@ -46,12 +46,14 @@ struct Prefetch {
   int64_t x = 0;
   int pairs_per_step = 0;  // K + V line pairs per prefetch step
   int step_mask = 0;       // ... on the steps d with (d & step_mask) == 0
+  bool nta = false;        // non-temporal prefetches (decode_prefetch_nta)
   // An empty queue; V lines `plane_bytes` after their K lines.
-  void reset(int64_t plane_bytes) {
+  void reset(int64_t plane_bytes, bool non_temporal = false) {
     plane = plane_bytes;
     segs = s = 0;
     x = 0;
     pairs_per_step = step_mask = 0;
+    nta = non_temporal;
   }
   void add(const char* p, int64_t bytes) { seg[segs] = p, seg_bytes[segs++] = bytes; }
   // Spread the queued lines over `steps` prefetch steps: a few pairs per step, or one every 2^n steps.
@@ -64,12 +66,18 @@ struct Prefetch {
   }
   // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
   // cursor held in registers. Into L2 (locality 2), or into L1 (3) for the many-lane tile, where that
-  // measured faster (bench/README.md, paged attention; a decode's narrow tile is slower with it).
+  // measured faster (bench/README.md, paged attention; a decode's narrow tile is slower with it), or
+  // non-temporal (locality 0) where `nta` is set.
   template <int kLocality = 2>
   void issue(int& s_, int64_t& x_, int pairs) const {
     for (; pairs > 0 && s_ < segs; --pairs) {
-      __builtin_prefetch(seg[s_] + x_, 0, kLocality);
-      __builtin_prefetch(seg[s_] + plane + x_, 0, kLocality);
+      if (nta) {
+        __builtin_prefetch(seg[s_] + x_, 0, 0);
+        __builtin_prefetch(seg[s_] + plane + x_, 0, 0);
+      } else {
+        __builtin_prefetch(seg[s_] + x_, 0, kLocality);
+        __builtin_prefetch(seg[s_] + plane + x_, 0, kLocality);
+      }
       if ((x_ += 64) >= seg_bytes[s_]) x_ = 0, ++s_;
     }
   }
@@ -163,6 +171,17 @@ constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache
 constexpr int kFewLanes = 4;
 inline bool keys_in_registers(int64_t groups, int live, bool direct) {
   return direct && groups == 1 && live <= kFewLanes;
+}
+
+// Whether such a tile (a decode, which reads each KV line once) prefetches the next one non-temporally:
+// on AMD, where that measured faster than into L2 or L1 (bench/README.md, paged attention); elsewhere
+// (Intel: not measured) into L2 as the other narrow tiles.
+inline bool decode_prefetch_nta() {
+  static const bool amd = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") != 0;
+  }();
+  return amd;
 }
 
 // The steps over which a narrow group's tile issues the next tile's prefetch: its score steps (D per
