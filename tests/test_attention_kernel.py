@@ -184,8 +184,8 @@ def on_every_level(run) -> list[torch.Tensor]:
 def test_every_instruction_set_returns_the_same_bits(dtype, heads, kv_heads, head_dim, window):
     """Levels 0-4 (scalar, AVX2, AVX-512 16-wide groups, AVX-512 with narrow groups, and with the
     many-lane tile reading keys in place): the same bits, over query counts that give every narrow
-    group size (1..8 live lanes) and wide ones; groups of up to 4 lanes alone in their tile (a
-    decode with G <= 4) transpose a bf16 cache's keys in registers (head dims 32, 64, 128)."""
+    group size (1..8 live lanes) and wide ones; a group alone in its tile with 1-6 or 9-12 lanes (a
+    decode or a short verify) transposes a bf16 cache's keys in registers (head dims 32, 64, 128)."""
     case = make_case([300, 40, 9, 700, 90, 260], [5, 3, 1, 2, 4, 8], heads=heads, kv_heads=kv_heads,
                      head_dim=head_dim, window=window, dtype=dtype, seed=8)
     outs = on_every_level(case.run)

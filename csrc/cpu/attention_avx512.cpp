@@ -161,7 +161,7 @@ SPECRT_AVX512 inline void score_step(const LaneGroup& g, int d, int i0, __m512 k
 }
 
 // Scores of lanes i0 .. i0+NL-1 over the tile's keys, masked, into s[i0 + i]: from t.kt (transposed
-// once per tile and kv head) or, with t.kt null (kDirect, a lone group of at most kFewLanes), from the
+// once per tile and kv head) or, with t.kt null (kDirect, a lone group: keys_in_registers), from the
 // bf16 rows transposed 16 dims at a time in registers, where so few lanes would not repay a stored kt.
 template <int NL, bool kDirect>
 SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D, int i0, int32_t window, bool masked,
@@ -175,7 +175,7 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
   const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
   const int step_mask = pf != nullptr ? pf->step_mask : 0;
   bool done = false;
-  if constexpr (kDirect && NL <= kFewLanes) {
+  if constexpr (kDirect && NL <= kRegisterKeyLanes) {
     if (t.kt == nullptr) {
       const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
       for (int d0 = 0; d0 < D; d0 += 16) {

@@ -104,6 +104,17 @@ struct Tile {
 // on a bf16 cache its p * v also takes lanes 8 at a time.
 inline int score_passes(int live) { return live <= 8 ? 1 : 2; }
 
+// A narrow group that is its tile's only one, on a bf16 cache, whose score passes have at most
+// kRegisterKeyLanes lanes (1-6 or 9-12: a decode, or a verify of a few tokens) transposes the keys in
+// registers inside its score loop (the tile's t.kt null, transpose_tile_avx512 not called); on AMD it
+// also prefetches the next tile non-temporally (decode_prefetch_nta). A group of at most kFewLanes
+// lanes takes p * v 64 dims per key loop.
+constexpr int kFewLanes = 4;
+constexpr int kRegisterKeyLanes = 6;
+inline bool keys_in_registers(int64_t groups, int live, bool direct) {
+  return direct && groups == 1 && (live <= kRegisterKeyLanes || (live > 8 && live <= 2 * kRegisterKeyLanes));
+}
+
 // max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
 inline float max_f(float a, float b) { return a > b ? a : b; }
 
@@ -165,17 +176,9 @@ void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool
 void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache takes the many-lane tile
 
-// A narrow group of at most kFewLanes lanes on a bf16 cache (a decode's: G query heads per kv head)
-// takes p * v 64 dims per key loop and, when it is its tile's only group, transposes the keys in
-// registers inside its score loop (the tile's t.kt null, transpose_tile_avx512 not called).
-constexpr int kFewLanes = 4;
-inline bool keys_in_registers(int64_t groups, int live, bool direct) {
-  return direct && groups == 1 && live <= kFewLanes;
-}
-
-// Whether such a tile (a decode, which reads each KV line once) prefetches the next one non-temporally:
-// on AMD, where that measured faster than into L2 or L1 (bench/README.md, paged attention); elsewhere
-// (Intel: not measured) into L2 as the other narrow tiles.
+// Whether a tile with its keys in registers (a decode or short verify, reading each KV line once)
+// prefetches the next one non-temporally: on AMD, where that measured faster than into L2 or L1
+// (bench/README.md, paged attention); elsewhere (Intel: not measured) into L2 as the other narrow tiles.
 inline bool decode_prefetch_nta() {
   static const bool amd = [] {
     __builtin_cpu_init();
