@@ -174,28 +174,23 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
   int64_t x = pf != nullptr ? pf->x : 0;
   const int pairs = pf != nullptr ? pf->pairs_per_step : 0;
   const int step_mask = pf != nullptr ? pf->step_mask : 0;
-  bool done = false;
-  if constexpr (kDirect && NL <= kRegisterKeyLanes) {
-    if (t.kt == nullptr) {
-      const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-      for (int d0 = 0; d0 < D; d0 += 16) {
-        __m512 o0[8], o1[8];
-        transpose_pairs_16x8(t.rows, d0, o0);
-        transpose_pairs_16x8(t.rows + 16, d0, o1);
-        for (int p = 0; p < 8; ++p) {  // dims d0 + 2p (low half of each pair) and d0 + 2p + 1 (high)
-          const int d = d0 + 2 * p;
-          if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
-          score_step<NL>(g, d, i0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(o0[p]), 16)),
-                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(o1[p]), 16)), a);
-          if (pairs > 0 && ((d + 1) & step_mask) == 0) pf->issue(seg, x, pairs);
-          score_step<NL>(g, d + 1, i0, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(o0[p]), hi)),
-                         _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(o1[p]), hi)), a);
-        }
+  if (kDirect && NL <= kRegisterKeyLanes && t.kt == nullptr) {  // compile-time false elsewhere
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 o0[8], o1[8];
+      transpose_pairs_16x8(t.rows, d0, o0);
+      transpose_pairs_16x8(t.rows + 16, d0, o1);
+      for (int p = 0; p < 8; ++p) {  // dims d0 + 2p (low half of each pair) and d0 + 2p + 1 (high)
+        const int d = d0 + 2 * p;
+        if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
+        score_step<NL>(g, d, i0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(o0[p]), 16)),
+                       _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(o1[p]), 16)), a);
+        if (pairs > 0 && ((d + 1) & step_mask) == 0) pf->issue(seg, x, pairs);
+        score_step<NL>(g, d + 1, i0, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(o0[p]), hi)),
+                       _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(o1[p]), hi)), a);
       }
-      done = true;
     }
-  }
-  if (!done) {
+  } else {
     for (int d = 0; d < D; ++d) {
       if (pairs > 0 && (d & step_mask) == 0) pf->issue(seg, x, pairs);
       score_step<NL>(g, d, i0, _mm512_loadu_ps(t.kt + d * 16), _mm512_loadu_ps(t.kt + (D + d) * 16), a);

@@ -64,7 +64,7 @@ int detected_isa() {
 // (Zen 4), 3 elsewhere (on Intel they share the fma ports; bench/README.md, paged attention).
 int preferred_isa() {
   const int d = detected_isa();
-  return d == 4 && !__builtin_cpu_is("amd") ? 3 : d;
+  return d == 4 && !cpu_is_amd() ? 3 : d;
 }
 
 std::atomic<int> g_isa_cap{-1};  // -1: preferred_isa()
@@ -245,7 +245,7 @@ class Kernel {
 
   // The cache lines of keys [k0, k1) of request b (K and V rows, every kv head), queued in sc.prefetch:
   // the narrow tile requests them over the `steps` prefetch steps of the tile computed meanwhile.
-  // nta: non-temporal prefetches (decode_prefetch_nta).
+  // nta: non-temporal prefetches.
   void queue_prefetch(int64_t b, int64_t k0, int64_t k1, int64_t steps, bool nta, Scratch& sc) const {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
     const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
@@ -278,7 +278,7 @@ class Kernel {
     const int64_t last_live = (G_ * r.query_len - 1) % kLanes + 1;
     const bool in_registers = keys_in_registers(num_groups, static_cast<int>(last_live), direct_);
     const bool transpose = narrow_ && !in_registers && !(direct_ && isa_.keys_in_place && last_live >= kManyLanes);
-    const bool nta = in_registers && decode_prefetch_nta();
+    const bool nta = in_registers && cpu_is_amd();  // non-temporal prefetch (attention_tile.h)
     for (int64_t h = 0; h < Hkv_; ++h)
       for (int64_t gi = 0; gi < num_groups; ++gi) {
         setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
