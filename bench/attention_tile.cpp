@@ -79,7 +79,7 @@ struct Bench {
   void setup(int64_t t, bool queue, const uint16_t** rows0) {
     for (int j = 0; j < kTileKeys; ++j)
       rows0[j] = cache.data() + (static_cast<int64_t>(order[2 * t + j / kBlock]) * kBlock + j % kBlock) * kRow;
-    prefetch.reset(plane * 2, keys_in_registers(1, lanes, true) && cpu_is_amd());
+    prefetch.reset(plane * 2);
     if (queue && t + 1 < tiles()) {
       for (int b = 0; b < 2; ++b)
         prefetch.add(reinterpret_cast<const char*>(cache.data() + order[2 * (t + 1) + b] * kBlock * kRow),

@@ -245,13 +245,12 @@ class Kernel {
 
   // The cache lines of keys [k0, k1) of request b (K and V rows, every kv head), queued in sc.prefetch:
   // the narrow tile requests them over the `steps` prefetch steps of the tile computed meanwhile.
-  // nta: non-temporal prefetches.
-  void queue_prefetch(int64_t b, int64_t k0, int64_t k1, int64_t steps, bool nta, Scratch& sc) const {
+  void queue_prefetch(int64_t b, int64_t k0, int64_t k1, int64_t steps, Scratch& sc) const {
     const int32_t* table = a_.block_tables.data_ptr<int32_t>() + b * M_;
     const int64_t row_bytes = Hkv_ * D_ * a_.kv_cache.element_size();
     const char* base = static_cast<const char*>(a_.kv_cache.data_ptr());
     Prefetch& p = sc.prefetch;
-    p.reset(plane_ * a_.kv_cache.element_size(), nta);
+    p.reset(plane_ * a_.kv_cache.element_size());
     for (int64_t kp = k0; kp < k1;) {  // one block segment at a time
       const int64_t off = kp % bs_;
       const int64_t n = std::min(k1 - kp, bs_ - off);
@@ -278,7 +277,6 @@ class Kernel {
     const int64_t last_live = (G_ * r.query_len - 1) % kLanes + 1;
     const bool in_registers = keys_in_registers(num_groups, static_cast<int>(last_live), direct_);
     const bool transpose = narrow_ && !in_registers && !(direct_ && isa_.keys_in_place && last_live >= kManyLanes);
-    const bool nta = in_registers && cpu_is_amd();  // non-temporal prefetch (attention_tile.h)
     for (int64_t h = 0; h < Hkv_; ++h)
       for (int64_t gi = 0; gi < num_groups; ++gi) {
         setup_group(r, h, gi, sc.groups[h * num_groups + gi]);
@@ -292,12 +290,12 @@ class Kernel {
       const int64_t k0 = std::max(t0, key_begin), k1 = std::min(t0 + kTileKeys, key_end);
       // the next tile; after the chunk's last, the first tile of the item at the queue's head
       if (t0 + kTileKeys < key_end) {
-        queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end), steps, nta, sc);
+        queue_prefetch(it.b, t0 + kTileKeys, std::min(t0 + 2 * kTileKeys, key_end), steps, sc);
       } else if (const int64_t i = next.load(std::memory_order_relaxed); i < static_cast<int64_t>(items_.size())) {
         const auto [b, e] = chunk_keys(items_[i]);
-        queue_prefetch(items_[i].b, b, std::min(b - b % kTileKeys + kTileKeys, e), steps, nta, sc);
+        queue_prefetch(items_[i].b, b, std::min(b - b % kTileKeys + kTileKeys, e), steps, sc);
       } else {
-        queue_prefetch(it.b, 0, 0, steps, nta, sc);  // nothing
+        queue_prefetch(it.b, 0, 0, steps, sc);  // nothing
       }
       if (direct_) {  // cache offset of each key's row (keys past k1 repeat the last), one division per tile
         int64_t blk = k0 / bs_, o = k0 % bs_;

@@ -46,14 +46,12 @@ struct Prefetch {
   int64_t x = 0;
   int pairs_per_step = 0;  // K + V line pairs per prefetch step
   int step_mask = 0;       // ... on the steps d with (d & step_mask) == 0
-  bool nta = false;        // non-temporal prefetches (locality 0)
   // An empty queue; V lines `plane_bytes` after their K lines.
-  void reset(int64_t plane_bytes, bool non_temporal) {
+  void reset(int64_t plane_bytes) {
     plane = plane_bytes;
     segs = s = 0;
     x = 0;
     pairs_per_step = step_mask = 0;
-    nta = non_temporal;
   }
   void add(const char* p, int64_t bytes) { seg[segs] = p, seg_bytes[segs++] = bytes; }
   // Spread the queued lines over `steps` prefetch steps: a few pairs per step, or one every 2^n steps.
@@ -65,18 +63,13 @@ struct Prefetch {
     while (pairs_per_step == 1 && (step_mask + 1) * 2 * lines <= steps) step_mask = 2 * step_mask + 1;
   }
   // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
-  // cursor held in registers. Into L2 (locality 2), into L1 (3) for the many-lane tile, or
-  // non-temporal where `nta` is set: each where it measured faster (bench/README.md, paged attention).
+  // cursor held in registers. Into L2 (locality 2), or into L1 (3) for the many-lane tile, where each
+  // measured faster (bench/README.md, paged attention).
   template <int kLocality = 2>
   void issue(int& s_, int64_t& x_, int pairs) const {
     for (; pairs > 0 && s_ < segs; --pairs) {
-      if (nta) {
-        __builtin_prefetch(seg[s_] + x_, 0, 0);
-        __builtin_prefetch(seg[s_] + plane + x_, 0, 0);
-      } else {
-        __builtin_prefetch(seg[s_] + x_, 0, kLocality);
-        __builtin_prefetch(seg[s_] + plane + x_, 0, kLocality);
-      }
+      __builtin_prefetch(seg[s_] + x_, 0, kLocality);
+      __builtin_prefetch(seg[s_] + plane + x_, 0, kLocality);
       if ((x_ += 64) >= seg_bytes[s_]) x_ = 0, ++s_;
     }
   }
@@ -105,9 +98,8 @@ inline int score_passes(int live) { return live <= 8 ? 1 : 2; }
 
 // A narrow group that is its tile's only one, on a bf16 cache, whose score passes have at most
 // kRegisterKeyLanes lanes (1-6 or 9-12: a decode, or a verify of a few tokens) transposes the keys in
-// registers inside its score loop (the tile's t.kt null, transpose_tile_avx512 not called); on AMD it
-// also prefetches the next tile non-temporally (cpu_is_amd). A group of at most kFewLanes
-// lanes takes p * v 64 dims per key loop.
+// registers inside its score loop (the tile's t.kt null, transpose_tile_avx512 not called). A group of
+// at most kFewLanes lanes takes p * v 64 dims per key loop.
 constexpr int kFewLanes = 4;
 constexpr int kRegisterKeyLanes = 6;
 inline bool keys_in_registers(int64_t groups, int live, bool direct) {
@@ -175,9 +167,7 @@ void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool
 void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache takes the many-lane tile
 
-// The CPU is AMD's: the vendor picks the ISA level (attention_cpu.cpp) and a tile with its keys in
-// registers prefetches non-temporally there, where that measured faster (bench/README.md, paged
-// attention; on Intel not measured: into L2 as the other narrow tiles).
+// The CPU is AMD's: the vendor picks the ISA level (attention_cpu.cpp).
 inline bool cpu_is_amd() {
   static const bool amd = [] {
     __builtin_cpu_init();
