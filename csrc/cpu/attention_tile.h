@@ -167,15 +167,6 @@ void narrow_avx512_bf16(const Tile& t, LaneGroup& g, int D, int32_t window, bool
 void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked);
 constexpr int kManyLanes = 15;  // live lanes from which a group on a bf16 cache takes the many-lane tile
 
-// The CPU is AMD's: the vendor picks the ISA level (attention_cpu.cpp).
-inline bool cpu_is_amd() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return amd;
-}
-
 // The steps over which a narrow group's tile issues the next tile's prefetch: its score steps (D per
 // pass) and, on a bf16 cache below kManyLanes lanes, its p * v key steps (kTileKeys per key loop: one
 // per 32 dims, per 64 up to kFewLanes lanes), so a memory-bound decode keeps requests in flight through
