@@ -7,11 +7,12 @@
 //   attention_tile LANES LEVEL CACHE_MB ROUNDS
 //
 // LANES: live lanes per group (3: a decode of 3 query heads per kv head; 15: a K=4 verify);
-// LEVEL: 3 (keys transposed per tile; up to 4 lanes, in registers) or 4 (a many-lane group reads
-// its keys in place), as ops.attention_cpu_isa. Each round runs "hot" (one tile, every kv head,
-// repeated), "stream" (every tile of the cache once, the next tile prefetched as the driver does) and
-// "nopf" (the same without prefetch), in turn. Prints one line per mode: nanoseconds per tile and kv head (min, median over
-// rounds) and the KV bytes read per second. Exit status 2: the CPU lacks AVX-512.
+// LEVEL: 3 (keys transposed per tile, or in registers where keys_in_registers holds) or 4 (a
+// many-lane group reads its keys in place), as ops.attention_cpu_isa. Each round runs "hot" (one
+// tile, every kv head, repeated), "stream" (every tile of the cache once, the next tile prefetched as
+// the driver does) and "nopf" (the same without prefetch), in turn. Prints one line per mode:
+// nanoseconds per tile and kv head (min, median over rounds) and the KV bytes read per second.
+// Exit status 2: the CPU lacks AVX-512.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>

@@ -63,12 +63,8 @@ int detected_isa() {
 // The level used unless a test caps it: 4 on AMD, whose vector shifts and ands issue beside the fmas
 // (Zen 4), 3 elsewhere (on Intel they share the fma ports; bench/README.md, paged attention).
 int preferred_isa() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  const int d = detected_isa();
-  return d == 4 && !amd ? 3 : d;
+  const int d = detected_isa();  // initialises the CPU model first
+  return d == 4 && !__builtin_cpu_is("amd") ? 3 : d;
 }
 
 std::atomic<int> g_isa_cap{-1};  // -1: preferred_isa()
