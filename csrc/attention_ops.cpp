@@ -65,11 +65,12 @@ void check_values(const PagedAttentionArgs& a) {
 
 at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                  int64_t window, int64_t max_query_len, int64_t max_seq_len, bool check) {
+                                  int64_t window, int64_t max_query_len, int64_t max_seq_len, bool check,
+                                  const std::optional<at::Tensor>& tree_mask) {
   // The CPU kernel reads through the block table: its values are always checked.
   (void)check;
   const PagedAttentionArgs args = check_paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                                        window, max_query_len, max_seq_len, true);
+                                                        window, max_query_len, max_seq_len, true, tree_mask);
   paged_attention_cpu(args);
   return args.out;
 }
@@ -79,7 +80,8 @@ at::Tensor paged_attention_cpu_op(const at::Tensor& q, const at::Tensor& kv_cach
 PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                          const at::Tensor& query_start_loc, double scale, int64_t window,
-                                         int64_t max_query_len, int64_t max_seq_len, bool values) {
+                                         int64_t max_query_len, int64_t max_seq_len, bool values,
+                                         const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK_VALUE(q.defined(), "q must be a tensor, got None");
   const at::Device device = q.device();
   check_input(q, "q", 3, device);
@@ -113,6 +115,18 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
                     "max_query_len (", max_query_len, ") and max_seq_len (", max_seq_len,
                     ") must be in [0, 2^31)");
   TORCH_CHECK_VALUE(T * H < (int64_t{1} << 31), "q has too many rows x heads: ", shape_str(q));
+  // any int64 value is a valid mask (no value checks): the same error kind for dtype, shape and device
+  const bool tree = tree_mask.has_value() && tree_mask->defined();
+  if (tree) {
+    const at::Tensor& t = *tree_mask;
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kLong, "tree_mask must have dtype torch.int64, got ",
+                      dtype_name(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == T, "tree_mask must be [T] = [", T,
+                      "] (one per row of q), got shape ", shape_str(t));
+    TORCH_CHECK_VALUE(t.device() == device, "tree_mask must be on ", device.str(), " (like q), got ",
+                      t.device().str());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "tree_mask must be contiguous");
+  }
 
   PagedAttentionArgs a;
   a.q = q;
@@ -124,6 +138,7 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
   a.window = window;
   a.max_query_len = max_query_len;
   a.max_seq_len = max_seq_len;
+  if (tree) a.tree_mask = *tree_mask;
   if (values) check_values(a);
   a.out = at::empty_like(q);
   return a;
@@ -132,7 +147,8 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "float scale, int window, int max_query_len, int max_seq_len, bool check_values) -> Tensor");
+      "float scale, int window, int max_query_len, int max_seq_len, bool check_values, Tensor? tree_mask=None) "
+      "-> Tensor");
   m.def("_attention_cpu_isa(int cap) -> int", &attention_cpu_isa);  // testing hook, no tensors: catch-all
 }
 

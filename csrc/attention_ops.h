@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace specrt {
 
@@ -13,12 +14,14 @@ namespace specrt {
 // q/out float32, kv_cache float32|bfloat16|float16, block_tables int32,
 // seq_lens / query_start_loc int64; shapes
 //   q, out [T, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D] (one layer);
-//   block_tables [B, max_blocks]; seq_lens [B]; query_start_loc [B+1].
+//   block_tables [B, max_blocks]; seq_lens [B]; query_start_loc [B+1];
+//   tree_mask [T] int64 or undefined (every row causal).
 // On the CPU the values were checked too (every block the kernel reads is in
 // range, 0 <= query_len <= seq_len, query_start_loc[B] <= T); on CUDA only in
 // debug mode, and the kernel guards its reads instead.
 struct PagedAttentionArgs {
   at::Tensor q, kv_cache, block_tables, seq_lens, query_start_loc, out;
+  at::Tensor tree_mask;   // [T] ancestor bits of each query row (attn::tree_visible); undefined: causal
   float qscale;           // scale * log2(e), rounded to float once (both devices use this number)
   int64_t window;         // 0 = no sliding window
   int64_t max_query_len;  // >= every query_len (grid sizing on CUDA without a host sync)
@@ -28,7 +31,8 @@ struct PagedAttentionArgs {
 PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                          const at::Tensor& query_start_loc, double scale, int64_t window,
-                                         int64_t max_query_len, int64_t max_seq_len, bool check_values);
+                                         int64_t max_query_len, int64_t max_seq_len, bool check_values,
+                                         const std::optional<at::Tensor>& tree_mask = std::nullopt);
 
 // Fills args.out (rows >= query_start_loc[B] are zero).
 void paged_attention_cpu(const PagedAttentionArgs& args);

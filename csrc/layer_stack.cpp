@@ -105,10 +105,11 @@ class LayerStack {
   // Layers 0..n-1 of one decode / verify step (llama.py _forward_fused): residual [T, hidden] (the
   // embeddings, updated in place to the stream entering layer n-1's output), cos / sin [T, D];
   // kv_cache [layers, 2, blocks, block_size, Hkv, D]; the rest as the paged-attention kernel takes
-  // them. Returns layer n-1's output delta [T, hidden] (not yet added to residual).
+  // them (tree_mask [T] int64 or None). Returns layer n-1's output delta [T, hidden] (not yet added to residual).
   at::Tensor run(at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                 const at::Tensor& query_start_loc, int64_t max_q, int64_t max_s, int64_t n) const {
+                 const at::Tensor& query_start_loc, int64_t max_q, int64_t max_s, int64_t n,
+                 const std::optional<at::Tensor>& tree_mask) const {
     TORCH_CHECK_VALUE(n >= 1 && n <= size(), "n = ", n, " layers: the stack has ", size());
     TORCH_CHECK_VALUE(residual.device().is_cpu() && residual.scalar_type() == dtype_ && residual.dim() == 2 &&
                           residual.is_contiguous(),
@@ -145,7 +146,8 @@ class LayerStack {
       const at::Tensor q = rotary_write_kv_cpu(qkv, cos, sin, H_, Hkv_, kv_cache, l.index, slot_mapping,
                                                at::kFloat);  // [T, H, D] float32
       const PagedAttentionArgs args = check_paged_attention(q, kv_cache.select(0, i), block_tables, seq_lens,
-                                                            query_start_loc, l.scale, l.window, max_q, max_s, true);
+                                                            query_start_loc, l.scale, l.window, max_q, max_s, true,
+                                                            tree_mask);
       paged_attention_cpu(args);
       at::Tensor o = args.out.scalar_type() == dtype_ ? args.out : args.out.to(dtype_);
       h = rms_norm_cpu(l.o(o.view({T, H_ * D_})), l.norm2, l.eps2, residual);  // residual += attention output
@@ -171,7 +173,8 @@ void bind_layer_stack(py::module_& m) {
       .def("__len__", &LayerStack::size)
       .def("run", &LayerStack::run, py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
-           py::arg("max_q"), py::arg("max_s"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
+           py::arg("max_q"), py::arg("max_s"), py::arg("n"), py::arg("tree_mask") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace specrt

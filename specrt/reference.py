@@ -322,14 +322,17 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start_loc: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, window: int = 0,
+                    tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each request's new queries over its paged context, in float64, one request at a time.
 
     q [T, H, D]; kv_cache [2, num_blocks, block_size, Hkv, D] (one layer); block_tables [B, max_blocks];
     seq_lens [B]; query_start_loc [B+1]. Query i of request b sits at position
     ``seq_lens[b] - query_len + i`` and sees keys ``max(0, pos - window + 1) .. pos`` (``window`` 0:
-    all up to pos). Query head h reads kv head ``h // (H // Hkv)``. Returns float32 [T, H, D]; rows
-    past ``query_start_loc[B]`` are zero.
+    all up to pos). ``tree_mask`` [T] int64 (None: every row causal): of the keys up to 63 positions
+    back, row t sees key ``pos - d`` only if bit d of ``tree_mask[t]`` is set (-1: all).
+    Query head h reads kv head ``h // (H // Hkv)``. Returns float32 [T, H, D]; rows past
+    ``query_start_loc[B]`` are zero.
     """
     T, H, D = q.shape
     block_size, Hkv = kv_cache.shape[2], kv_cache.shape[3]
@@ -347,6 +350,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
         visible = keys[None, :] <= pos
         if window > 0:
             visible &= keys[None, :] > pos - window
+        if tree_mask is not None:
+            back = pos - keys[None, :]  # [n, s]
+            bits = tree_mask[starts[b]:starts[b + 1]].cpu()[:, None].bitwise_right_shift(back.clamp(0, 63)) & 1
+            visible &= (back >= 64) | (bits == 1)
         scores = torch.einsum("nhd,shd->hns", q[starts[b]:starts[b + 1]].double(), k) * scale
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)  # [H, n, s]
         out[starts[b]:starts[b + 1]] = torch.einsum("hns,shd->nhd", probs, v).float()

@@ -207,6 +207,7 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
         const __m512i kp = _mm512_add_epi32(iota, _mm512_set1_epi32(t.k0 + 16 * b));
         __mmask16 visible = _mm512_cmple_epi32_mask(kp, _mm512_set1_epi32(pos));
         if (window != 0) visible &= _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos - window), kp);
+        if (g.tree) visible &= static_cast<__mmask16>(tree_keys16(g.tree_mask[i0 + i], pos, t.k0 + 16 * b));
         sb = _mm512_mask_blend_ps(visible, neg_inf, sb);
       }
       _mm512_storeu_ps(s[i0 + i] + 16 * b, sb);
@@ -304,6 +305,7 @@ SPECRT_AVX512 inline __m512 softmax_keys(const Tile& t, LaneGroup& g, int32_t wi
       const __m512i kp = _mm512_set1_epi32(t.k0 + j);
       __mmask16 visible = _mm512_cmple_epi32_mask(kp, pos);
       if (window != 0) visible &= _mm512_cmplt_epi32_mask(pos_w, kp);
+      if (g.tree) visible &= static_cast<__mmask16>(tree_lanes16(g, t.k0 + j));
       _mm512_store_ps(s + j * kLanes, _mm512_mask_blend_ps(visible, neg_inf, _mm512_load_ps(s + j * kLanes)));
     }
   }

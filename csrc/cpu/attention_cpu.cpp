@@ -116,6 +116,7 @@ class Kernel {
     kind_ = dt == at::kFloat ? kF32 : dt == at::kBFloat16 ? kBF16 : kF16;
     narrow_ = isa_.narrow != nullptr && D_ % 16 == 0;
     direct_ = narrow_ && kind_ == kBF16 && D_ % 32 == 0;  // the narrow tile reads a bf16 cache in place
+    if (a.tree_mask.defined()) tree_ = a.tree_mask.data_ptr<int64_t>();
   }
 
   void run() {
@@ -215,12 +216,21 @@ class Kernel {
     g.min_pos = std::numeric_limits<int32_t>::max();
     g.max_pos = -1;
     g.live = static_cast<int>(std::min<int64_t>(kLanes, lanes - gi * kLanes));
+    g.tree = false;
+    g.tree_min_pos = std::numeric_limits<int32_t>::max();
+    g.tree_max_pos = -1;
     for (int i = 0; i < kLanes; ++i) {
       const int64_t lane = std::min(gi * kLanes + i, lanes - 1);  // padding lanes repeat the last position
       g.pos[i] = static_cast<int32_t>(r.seq_len - r.query_len + lane / G_);
+      g.tree_mask[i] = -1;
       if (gi * kLanes + i >= lanes) continue;
       g.min_pos = std::min(g.min_pos, g.pos[i]);
       g.max_pos = std::max(g.max_pos, g.pos[i]);
+      if (tree_ == nullptr || tree_[r.q0 + lane / G_] == -1) continue;
+      g.tree_mask[i] = tree_[r.q0 + lane / G_];
+      g.tree = true;
+      g.tree_min_pos = std::min(g.tree_min_pos, g.pos[i]);
+      g.tree_max_pos = std::max(g.tree_max_pos, g.pos[i]);
     }
   }
 
@@ -324,7 +334,9 @@ class Kernel {
           LaneGroup& g = sc.groups[h * num_groups + gi];
           // a tile no lane of the group can see changes nothing (see attention.h): skip it
           if (k0 > g.max_pos || (window != 0 && k1 - 1 <= g.min_pos - window)) continue;
-          const bool masked = k1 - 1 > g.min_pos || (window != 0 && k0 <= g.max_pos - window);
+          // ... and one holding keys within attn::kTreeBits of a lane with tree bits masks them too
+          const bool masked = k1 - 1 > g.min_pos || (window != 0 && k0 <= g.max_pos - window) ||
+                              (g.tree && k1 - 1 > g.tree_min_pos - attn::kTreeBits && k0 <= g.tree_max_pos);
           (narrow_ ? (direct_ ? isa_.narrow_bf16 : isa_.narrow) : isa_.tile)(tile, g, D_, window, masked);
         }
       }
@@ -403,6 +415,7 @@ class Kernel {
   int64_t part_floats_ = 0, qt_floats_ = 0;
   float* part_ = nullptr;
   float* qt_ = nullptr;  // transposed queries, every request's (transpose_queries)
+  const int64_t* tree_ = nullptr;  // [T] ancestor bits of each query row; null: every row causal
 };
 
 }  // namespace

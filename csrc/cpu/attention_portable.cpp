@@ -28,7 +28,8 @@ __attribute__((always_inline)) inline void tile_portable(const Tile& t, LaneGrou
     for (int j = 0; j < t.n; ++j) {
       const int32_t kp = t.k0 + j;
       for (int i = 0; i < kLanes; ++i) {
-        const bool visible = kp <= g.pos[i] && (window == 0 || kp > g.pos[i] - window);
+        const bool visible = kp <= g.pos[i] && (window == 0 || kp > g.pos[i] - window) &&
+                             (!g.tree || attn::tree_visible(g.pos[i], kp, g.tree_mask[i]));
         if (!visible) s[j][i] = kNegInf;
       }
     }

@@ -30,7 +30,29 @@ struct LaneGroup {
   int32_t pos[kLanes];  // absolute position of each lane's query (padding lanes: a real one's)
   int32_t min_pos, max_pos;
   int live;     // lanes holding a real query (1..16)
+  // Tree attention (attn::tree_visible): each lane's ancestor bits (padding lanes -1), read only when
+  // some live lane's are not -1 (`tree`); those lanes' positions span [tree_min_pos, tree_max_pos].
+  bool tree = false;
+  int32_t tree_min_pos = 0, tree_max_pos = -1;
+  int64_t tree_mask[kLanes];
 };
+
+// The tree check inside a masked tile, scalar (a tree lane has at most 3 masked tiles): keys k0 .. k0+15
+// (bit j: key k0 + j) that a lane at pos with ancestor bits `mask` sees, and the lanes (bit i) of g that
+// see key kp.
+inline uint32_t tree_keys16(int64_t mask, int32_t pos, int32_t k0) {
+  if (mask == -1) return 0xFFFFu;
+  uint32_t keep = 0;
+  for (int j = 0; j < 16; ++j)
+    if (attn::tree_visible(pos, k0 + j, mask)) keep |= 1u << j;
+  return keep;
+}
+inline uint32_t tree_lanes16(const LaneGroup& g, int32_t kp) {
+  uint32_t keep = 0;
+  for (int i = 0; i < kLanes; ++i)
+    if (attn::tree_visible(g.pos[i], kp, g.tree_mask[i])) keep |= 1u << i;
+  return keep;
+}
 
 // The next tile's cache lines, requested a few per step of the AVX-512 score loops (and, on a bf16
 // cache, of the narrow tile's p * v key loops) while this tile is computed: spread over its arithmetic

@@ -52,6 +52,7 @@ struct AttnParams {
   const int32_t* block_tables;  // [B, M]
   const int64_t* seq_lens;      // [B]
   const int64_t* qsl;           // [B+1]
+  const int64_t* tree_mask;     // [T] ancestor bits of each query row (attn::tree_visible); null: causal
   float* out;                   // [T, H, D]
   float* part;                  // [B, Hkv, lane_groups, max_chunks, 16, D + 2]
   int64_t T, H, Hkv, G, D, num_blocks, block_size, M, window;
@@ -95,12 +96,14 @@ __device__ __forceinline__ RequestView request_view(const AttnParams& p, int64_t
   return r;
 }
 
-// Shared memory: q [16][D], K and V tiles [32][D+1] (padded: conflict-free column reads),
-// scores / probabilities [16][32], per-lane state.
+// Shared memory: per-lane tree bits [16] (first: 8-byte aligned), q [16][D], K and V tiles [32][D+1]
+// (padded: conflict-free column reads), scores / probabilities [16][32], per-lane state.
 struct Smem {
+  int64_t* tree;
   float *q, *k, *v, *s, *m, *l, *alpha, *m_safe;
   __device__ explicit Smem(float* base, int64_t D) {
-    q = base;
+    tree = reinterpret_cast<int64_t*>(base);
+    q = base + 2 * kLanes;
     k = q + kLanes * D;
     v = k + kTileKeys * (D + 1);
     s = v + kTileKeys * (D + 1);
@@ -109,7 +112,7 @@ struct Smem {
     alpha = l + kLanes;
     m_safe = alpha + kLanes;
   }
-  static int64_t floats(int64_t D) { return kLanes * D + 2 * kTileKeys * (D + 1) + kLanes * kTileKeys + 4 * kLanes; }
+  static int64_t floats(int64_t D) { return 6 * kLanes + kLanes * D + 2 * kTileKeys * (D + 1) + kLanes * kTileKeys; }
 };
 
 template <typename Elem, bool kBf16>
@@ -142,6 +145,9 @@ __global__ void __launch_bounds__(kThreads) attention_chunk_kernel(const AttnPar
   if (tid < kLanes) {
     sm.m[tid] = __int_as_float(0xff800000u);  // -inf
     sm.l[tid] = 0.0f;
+    const int64_t lane = lane_begin + tid;
+    const int64_t row = r.q0 + lane / p.G;
+    sm.tree[tid] = p.tree_mask != nullptr && lane < lanes && row < p.T ? p.tree_mask[row] : -1;
   }
   float acc[kMaxElems];
 #pragma unroll
@@ -188,7 +194,8 @@ __global__ void __launch_bounds__(kThreads) attention_chunk_kernel(const AttnPar
       const int64_t lane = lane_begin + i < lanes ? lane_begin + i : lanes - 1;
       const int64_t pos = pos0 + lane / p.G;
       const int64_t kp = k0 + j;
-      const bool visible = kp <= pos && (window == 0 || kp > pos - window);
+      const bool visible =
+          kp <= pos && (window == 0 || kp > pos - window) && attn::tree_visible(pos, kp, sm.tree[i]);
       sm.s[idx] = visible ? dot : neg_inf;
     }
     __syncthreads();
@@ -313,6 +320,7 @@ void paged_attention_cuda(const PagedAttentionArgs& a) {
   p.block_tables = a.block_tables.data_ptr<int32_t>();
   p.seq_lens = a.seq_lens.data_ptr<int64_t>();
   p.qsl = a.query_start_loc.data_ptr<int64_t>();
+  p.tree_mask = a.tree_mask.defined() ? a.tree_mask.data_ptr<int64_t>() : nullptr;
   p.out = a.out.data_ptr<float>();
   p.T = a.q.size(0);
   p.H = a.q.size(1);
@@ -353,9 +361,10 @@ namespace {
 
 at::Tensor paged_attention_cuda_op(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                                   int64_t window, int64_t max_query_len, int64_t max_seq_len, bool check_values) {
+                                   int64_t window, int64_t max_query_len, int64_t max_seq_len, bool check_values,
+                                   const std::optional<at::Tensor>& tree_mask) {
   const PagedAttentionArgs args = check_paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                                        window, max_query_len, max_seq_len, check_values);
+                                                        window, max_query_len, max_seq_len, check_values, tree_mask);
   paged_attention_cuda(args);
   return args.out;
 }

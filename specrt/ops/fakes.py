@@ -65,7 +65,7 @@ def _log_det_fake(x):
 
 @torch.library.register_fake("specrt::paged_attention")
 def _paged_attention_fake(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, max_query_len,
-                          max_seq_len, check_values):
+                          max_seq_len, check_values, tree_mask=None):
     return torch.empty_like(q)
 
 

@@ -78,7 +78,7 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, window: int | None = 0,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
-                    check_values: bool | None = None) -> torch.Tensor:
+                    check_values: bool | None = None, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every request's new queries directly over its paged KV blocks (no gather copy).
 
     Request b's new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of ``q``; its
@@ -98,6 +98,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     kernel sizes its grid from them without a sync); computed from the tensors when omitted
     (CPU tensors only).
 
+    Token trees: ``tree_mask`` [T] int64 (on q's device; None: every row causal) holds each row's
+    ancestor bits. Row t at position pos sees key kp as above AND only if ``pos - kp >= 64`` or bit
+    ``pos - kp`` of ``tree_mask[t]`` is set (bit 0: the row's own key; -1, every bit: plain causal,
+    the same bits as None). Rows past ``query_start_loc[B]`` ignore theirs.
+
     Returns: out [T, H, D] float32; rows past ``query_start_loc[B]`` (padding) are zero.
 
     Example:
@@ -107,6 +112,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if tree_mask is not None and not isinstance(tree_mask, torch.Tensor):
+        raise ValueError(f"tree_mask must be a torch.Tensor or None, got {type(tree_mask).__name__}")
     if max_query_len is None or max_seq_len is None:
         if not (isinstance(seq_lens, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)):
             raise TypeError("seq_lens and query_start_loc must be tensors")
@@ -118,4 +125,4 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
             max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     return torch.ops.specrt.paged_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, float(scale),
                                             int(window or 0), int(max_query_len), int(max_seq_len),
-                                            _check_values(q, check_values))
+                                            _check_values(q, check_values), tree_mask)

@@ -5,8 +5,9 @@
 // The algorithm both kernels implement, per query (one "lane": a query head
 // and a new token of a request, at absolute position pos):
 //   * keys are visited in fixed absolute tiles [32t, 32t+32) inside fixed
-//     absolute chunks [256c, 256c+256); key kp is visible iff kp <= pos and
-//     (window == 0 or kp > pos - window);
+//     absolute chunks [256c, 256c+256); key kp is visible iff kp <= pos,
+//     (window == 0 or kp > pos - window) and tree_visible(pos, kp, mask),
+//     mask being the query row's tree ancestor bits (-1 without a tree);
 //   * score  s = sum_d fmaf(q[d] * qscale, k[d]) in order d = 0..D-1, with
 //     qscale = scale * log2(e) (scores live in the base-2 domain);
 //   * per tile: m' = max(m, max_j s_j); alpha = exp2(m - m'), p_j =
@@ -72,6 +73,16 @@ SPECRT_HOST_DEVICE float half_bits_to_float(uint16_t h) {
   // zero or subnormal: mantissa * 2^-24, exact in float
   const float mag = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
   return uint_as_float(sign | float_as_uint(mag));
+}
+
+// Tree attention: a query at position pos whose row carries ancestor bits `mask` sees key kp <= pos
+// iff kp lies kTreeBits or more positions back or bit (pos - kp) of mask is set (bit 0: the query's
+// own key, bit 1 the key just before it). A mask of -1 (every bit) is plain causal attention.
+constexpr int kTreeBits = 64;
+
+SPECRT_HOST_DEVICE bool tree_visible(int64_t pos, int64_t kp, int64_t mask) {
+  const int64_t back = pos - kp;
+  return back >= kTreeBits || (back >= 0 && ((static_cast<uint64_t>(mask) >> back) & 1u) != 0);
 }
 
 // First key any query of a request can see: its first new token sits at
