@@ -6,6 +6,7 @@ wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.re
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +95,15 @@ class AttentionMetadata:
     token_query_idx: torch.Tensor | None = None    # [T] int64 index of each row within its request
     scratch: dict = field(default_factory=dict, repr=False)  # per-call cache (attention masks), reused across layers
     context_lens_host: list[int] | None = None     # [B] true lengths when a KVWindow view shortened seq_lens
+    tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits per new token (None: causal)
+    tree_requests_host: list[bool] | None = None   # [B] host: request b has a row whose tree_mask is not -1
+
+    def tree_requests(self) -> list[bool]:
+        """[B] whether request b's rows carry tree masks (host only; without tree_requests_host every
+        request counts as one when tree_mask is set)."""
+        if self.tree_mask is None:
+            return [False] * self.num_requests
+        return self.tree_requests_host or [True] * self.num_requests
 
     @property
     def max_context_len(self) -> int:
@@ -112,7 +122,7 @@ class AttentionMetadata:
     def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
               device=None, max_model_len: int | None = None,
               token_ids: list[int] | None = None, window: KVWindow | None = None,
-              write: bool = True) -> "AttentionMetadata":
+              write: bool = True, tree_mask: list[int] | None = None) -> "AttentionMetadata":
         """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
 
         ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
@@ -129,6 +139,10 @@ class AttentionMetadata:
         ``window``: the new tokens attend to that view of their context (block tables and seq_lens
         are the view's; slots and positions stay the true ones). ``write`` False: every slot is -1
         (the new tokens' K/V are already in the cache and are read from there).
+
+        ``tree_mask`` (token trees): one signed int64 per new token in row order, its ancestor bits
+        (``ops.paged_attention``: bit d lets it see the key d positions back, for d < 64; -1 =
+        causal, as for fresh prefills and other requests of the batch).
         """
         B = len(seq_lens)
         if len(query_lens) != B or len(block_tables) != B:
@@ -167,9 +181,22 @@ class AttentionMetadata:
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
+        tree_requests = None
+        if tree_mask is not None:
+            try:
+                tree_mask = [operator.index(x) for x in tree_mask]
+            except TypeError as exc:
+                raise TypeError(f"tree_mask must hold integers: {exc}") from None
+            if len(tree_mask) != len(slots):
+                raise ValueError(f"tree_mask has {len(tree_mask)} entries, the batch has {len(slots)} new tokens")
+            if any(not -2**63 <= x < 2**63 for x in tree_mask):
+                raise ValueError("tree_mask values must be signed int64 (a mask with bit 63 set is negative)")
+            tree_requests = [any(x != -1 for x in tree_mask[qsl[b]:qsl[b + 1]]) for b in range(B)]
 
         # every int64 field from ONE host tensor (one copy to the device), the block tables from another
         parts = (qsl, list(seq_lens), slots, list(query_lens), req_ids, q_idx)
+        if tree_mask is not None:
+            parts += (tree_mask,)
         ints = torch.split(_to_device(torch.tensor([v for p in parts for v in p], dtype=torch.int64), device),
                            [len(p) for p in parts])
         return AttentionMetadata(
@@ -184,6 +211,8 @@ class AttentionMetadata:
             token_request_ids=ints[4],
             token_query_idx=ints[5],
             context_lens_host=context_lens,
+            tree_mask=ints[6] if tree_mask is not None else None,
+            tree_requests_host=tree_requests,
         )
 
     def ensure_derived(self) -> None:

@@ -18,6 +18,10 @@ into three groups (decided from host-side lengths, no device->host sync):
     the keys are cut to exactly the context and SDPA runs without a mask.
 K and V of all the blocks a batch reads are fetched with ONE ``index_select`` per layer. The
 grouping (:class:`_Plan`) is built once per AttentionMetadata and reused by every layer.
+
+Token trees (``meta.tree_mask``): a request whose rows carry ancestor bits is never a fresh prefill
+(its new tokens are not a causal chain); on the kernel path it stays on the kernel whatever its
+query length, and every SDPA mask (padded batch, long chunk) applies the same bits as the kernel.
 """
 from __future__ import annotations
 
@@ -30,11 +34,20 @@ from specrt.attention import AttentionMetadata
 _LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan.sdpa)
 _KERNEL_MAX_QUERY = 16  # longer chunks (prefill after a cached prefix) attend with SDPA, a GEMM-shaped problem
 _PAGED_ATTENTION = torch.ops.specrt.paged_attention.default
+_TREE_BITS = 64  # keys this close behind a query obey its tree bits (csrc/include/specrt/attention.h)
+
+
+def _tree_visible(tree_mask: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    """Whether ancestor bits ``tree_mask`` keep the key ``back`` positions behind their query (broadcast;
+    ops.paged_attention's rule; back < 0 is left to the causal mask)."""
+    return (back >= _TREE_BITS) | (tree_mask.bitwise_right_shift(back.clamp(0, _TREE_BITS - 1)) & 1).bool()
+
 
 class _Group:
     """Requests attended as ONE padded batch [B, max_q] x [B, ctx] (one gather, one SDPA)."""
 
-    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool):
+    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool,
+                 tree: list[bool]):
         qls, sls = meta.query_lens_host, meta.seq_lens_host
         bs = meta.block_size
         dev = meta.seq_lens.device
@@ -61,8 +74,13 @@ class _Group:
             s_lens = _device_ints([sls[b] for b in members], dev)
         self.block_tables = self.block_tables.clamp(min=0).long()  # -1 pads are masked anyway
         self._q_lens, self._s_lens, self._ctx, self._dev = q_lens, s_lens, self.num_blocks * bs, dev
+        self._tree = None  # [B, max_q] ancestor bits of the padded rows (padding -1), when a member has some
+        if any(tree[b] for b in members):
+            rows_mask = meta.tree_mask[: self.req.shape[0]] if self.rows is None else meta.tree_mask[self.rows]
+            self._tree = torch.full((len(members), self.max_q), -1, dtype=torch.int64, device=dev)
+            self._tree[self.req, self.qi] = rows_mask
         # decode fast path: one query per request at the same length -> keys [0, s) need no mask
-        self.uniform_decode = self.max_q == 1 and all(sls[b] == self.max_s for b in members)
+        self.uniform_decode = self._tree is None and self.max_q == 1 and all(sls[b] == self.max_s for b in members)
         self._masks: dict = {}
 
     def batched_mask(self, window: int | None) -> torch.Tensor | None:
@@ -78,6 +96,8 @@ class _Group:
             m = k_pos <= qp  # [B, max_q, ctx]
             if window is not None:
                 m = m & (k_pos > qp - window)
+            if self._tree is not None:
+                m = m & _tree_visible(self._tree[:, :, None], qp - k_pos)
             self._masks[window] = m[:, None]  # [B, 1, max_q, ctx]
         return self._masks[window]
 
@@ -92,15 +112,19 @@ class _KernelBatch:
     whole: every request of the metadata, in order (its tensors as they are); else the members'
     rows are gathered from q (``rows``) with their own block tables / lengths."""
 
-    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool):
+    def __init__(self, meta: AttentionMetadata, members: list[int], starts: list[int], whole: bool,
+                 tree: list[bool]):
         qls, sls = meta.query_lens_host, meta.seq_lens_host
         dev = meta.seq_lens.device
         self.max_q = max(qls[b] for b in members)
         self.max_s = max(sls[b] for b in members)
+        has_tree = any(tree[b] for b in members)
+        self._tree_rows: dict = {}
         if whole:
             self.rows = None
             self.block_tables, self.seq_lens = meta.block_tables, meta.seq_lens
             self.query_start_loc = meta.query_start_loc
+            self.tree_mask = meta.tree_mask if has_tree else None  # [rows] int64 or None (all causal)
             return
         rows, qsl = [], [0]
         for b in members:
@@ -111,6 +135,16 @@ class _KernelBatch:
         self.block_tables = meta.block_tables.index_select(0, sel)  # [B_kernel, max_blocks] int32
         self.seq_lens = meta.seq_lens.index_select(0, sel)  # [B_kernel] int64
         self.query_start_loc = _device_ints(qsl, dev)  # [B_kernel + 1] int64
+        self.tree_mask = meta.tree_mask.index_select(0, self.rows) if has_tree else None  # [T_kernel] int64
+
+    def tree_rows(self, T: int) -> torch.Tensor | None:
+        """The kernel's tree_mask for a q of T rows (trailing padding rows -1), or None (all causal)."""
+        if self.tree_mask is None or self.tree_mask.shape[0] == T:
+            return self.tree_mask
+        if T not in self._tree_rows:
+            pad = self.tree_mask.new_full((T - self.tree_mask.shape[0],), -1)
+            self._tree_rows[T] = torch.cat([self.tree_mask, pad])
+        return self._tree_rows[T]
 
 
 class _Plan:
@@ -127,10 +161,11 @@ class _Plan:
         starts = [0]
         for q in qls:
             starts.append(starts[-1] + q)
+        self.tree = meta.tree_requests()  # [B] rows with tree bits: never fresh, any length on the kernel
         self.fresh: list[tuple[int, int, int]] = []  # (request, row start, q)
         self.rest: list[int] = []
         for b, (q, s) in enumerate(zip(qls, sls)):
-            if q == s and q > 1:
+            if q == s and q > 1 and not self.tree[b]:
                 self.fresh.append((b, starts[b], q))
             else:
                 self.rest.append(b)
@@ -144,9 +179,11 @@ class _Plan:
         """(long chunks (request, row start, q, seq_len) for gather + SDPA, the kernel's batch or None)."""
         if self._kernel is None:
             qls, sls, starts = self._meta.query_lens_host, self._meta.seq_lens_host, self._starts
-            members = [b for b in self.rest if qls[b] <= _KERNEL_MAX_QUERY]
-            long = [(b, starts[b], qls[b], sls[b]) for b in self.rest if qls[b] > _KERNEL_MAX_QUERY]
-            batch = _KernelBatch(self._meta, members, starts, len(members) == len(qls)) if members else None
+            on_kernel = [qls[b] <= _KERNEL_MAX_QUERY or self.tree[b] for b in range(len(qls))]
+            members = [b for b in self.rest if on_kernel[b]]
+            long = [(b, starts[b], qls[b], sls[b]) for b in self.rest if not on_kernel[b]]
+            batch = (_KernelBatch(self._meta, members, starts, len(members) == len(qls), self.tree)
+                     if members else None)
             self._kernel = (long, batch)
         return self._kernel
 
@@ -172,17 +209,20 @@ class _Plan:
                 one = sorted(b for b in rest if qls[b] == 1)
                 multi = sorted(b for b in rest if qls[b] > 1)
                 if one and multi and len(rest) * qls[rest[-1]] > 2 * sum(qls[b] for b in rest):
-                    groups = [_Group(self._meta, one, starts, False), _Group(self._meta, multi, starts, False)]
+                    groups = [_Group(self._meta, one, starts, False, self.tree),
+                              _Group(self._meta, multi, starts, False, self.tree)]
                 else:
                     members = sorted(rest)
-                    groups = [_Group(self._meta, members, starts, len(members) == len(qls))]
+                    groups = [_Group(self._meta, members, starts, len(members) == len(qls), self.tree)]
             all_batched = len(groups) == 1 and groups[0].rows is None
             self._sdpa = (long, groups, all_batched)
         return self._sdpa
 
-    def mask(self, key, q: int, s: int, window: int | None, device) -> torch.Tensor | None:
-        """[q, s] mask for queries at positions s-q..s-1 over keys 0..s-1 (None = plain causal, q == s)."""
-        if window is None and q == s:
+    def mask(self, key, q: int, s: int, window: int | None, device,
+             tree_mask: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[q, s] mask for queries at positions s-q..s-1 over keys 0..s-1 (None = plain causal, q == s);
+        tree_mask [q]: the queries' ancestor bits."""
+        if window is None and q == s and tree_mask is None:
             return None
         key = (key, window)
         if key not in self._masks:
@@ -191,6 +231,8 @@ class _Plan:
             m = kp <= qp
             if window is not None:
                 m = m & (kp > qp - window)
+            if tree_mask is not None:
+                m = m & _tree_visible(tree_mask[:, None], qp - kp)
             self._masks[key] = m
         return self._masks[key]
 
@@ -204,7 +246,8 @@ def _plan(meta: AttentionMetadata) -> _Plan:
 
 def kernel_batch(meta: AttentionMetadata) -> _KernelBatch | None:
     """The kernel batch of ``meta`` when every request attends through the paged-attention kernel in
-    one call (decode and verify batches: no prefill, no chunk longer than _KERNEL_MAX_QUERY), else None."""
+    one call (decode, verify and tree batches: no prefill, no causal chunk longer than _KERNEL_MAX_QUERY),
+    else None."""
     _, batch = _plan(meta).kernel()
     return batch if batch is not None and batch.rows is None else None
 
@@ -232,7 +275,8 @@ def _attend_long(plan: _Plan, meta: AttentionMetadata, long, q, layer_cache, out
         kc = layer_cache[0, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
         vc = layer_cache[1, blocks].reshape(nb * bs, Hkv, D)[:s].to(q.dtype).transpose(0, 1)[None]
         qs = q[start:start + n].transpose(0, 1)[None]
-        m = plan.mask(("long", b), n, s, window, q.device)
+        tree = meta.tree_mask[start:start + n] if plan.tree[b] else None
+        m = plan.mask(("long", b), n, s, window, q.device, tree)
         o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=m, scale=scale, enable_gqa=gqa)
         out[start:start + n] = o[0].transpose(0, 1)
 
@@ -246,10 +290,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     only by fresh prefills, in q's dtype there); layer_cache [2, num_blocks, block_size, Hkv, D].
     Returns [T, H, D] in q's dtype.
 
-    backend "kernel": decode and verify rows (up to _KERNEL_MAX_QUERY new tokens per request) run
-    through ``ops.paged_attention`` straight over the paged blocks (float32 q only); fresh prefills
-    and longer chunks use SDPA. "sdpa" (and half-precision q): the gather + SDPA path,
-    :func:`paged_attention_sdpa`.
+    backend "kernel": decode and verify rows (up to _KERNEL_MAX_QUERY new tokens per request, and
+    requests with tree bits in ``meta.tree_mask`` at any length) run through ``ops.paged_attention``
+    straight over the paged blocks (float32 q only); fresh prefills and longer chunks use SDPA.
+    "sdpa" (and half-precision q): the gather + SDPA path, :func:`paged_attention_sdpa`.
     """
     if backend == "sdpa" or q.dtype != torch.float32:
         return paged_attention_sdpa(q, k, v, layer_cache, meta, scale, window)
@@ -259,14 +303,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     if batch is not None and batch.rows is None:  # every request: one call (padding rows come back zero)
         return _PAGED_ATTENTION(q.contiguous(), layer_cache, batch.block_tables, batch.seq_lens,
                                 batch.query_start_loc, scale, w, batch.max_q, batch.max_s,
-                                ops._check_values(q, None))  # CPU: always (cheap); CUDA: debug mode only
+                                ops._check_values(q, None),  # CPU: always (cheap); CUDA: debug mode only
+                                batch.tree_rows(q.shape[0]))
     T, H, D = q.shape
     out = q.new_zeros(T, H, D) if T > plan.num_rows else q.new_empty(T, H, D)
     _attend_fresh(plan, q, k, v, out, scale, window)
     _attend_long(plan, meta, long, q, layer_cache, out, scale, window)
     if batch is not None:
         o = ops.paged_attention(q.index_select(0, batch.rows), layer_cache, batch.block_tables, batch.seq_lens,
-                                batch.query_start_loc, scale, w, batch.max_q, batch.max_s)
+                                batch.query_start_loc, scale, w, batch.max_q, batch.max_s,
+                                tree_mask=batch.tree_mask)
         out.index_copy_(0, batch.rows, o)
     return out
 

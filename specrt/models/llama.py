@@ -176,7 +176,7 @@ class LlamaDecoderLayer(nn.Module):
         if kernel_batch is not None and attn.attn_backend == "kernel" and q.dtype == torch.float32:
             kb = kernel_batch
             o = _PAGED_ATTENTION(q, layer_cache, kb.block_tables, kb.seq_lens, kb.query_start_loc, attn.scale,
-                                 attn.window or 0, kb.max_q, kb.max_s, True)  # [T, H, D] float32
+                                 attn.window or 0, kb.max_q, kb.max_s, True, kb.tree_rows(T))  # [T, H, D] float32
         else:
             k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
@@ -400,7 +400,8 @@ class LlamaForCausalLM(nn.Module):
         stack = self._stack if self.layer_stack else None
         if stack is not None and kb is not None and x.shape[0] <= self.linear_policy.max_rows and x.is_contiguous():
             delta = stack.run(x, cos, sin, kv_cache, meta.slot_mapping, kb.block_tables, kb.seq_lens,
-                              kb.query_start_loc, kb.max_q, kb.max_s, n)  # the loop below, in C++
+                              kb.query_start_loc, kb.max_q, kb.max_s, n,
+                              kb.tree_rows(x.shape[0]))  # the loop below, in C++
         else:
             layer_caches = kv_cache.unbind(0)  # one call for every layer's view
             layers = self.model.layers
