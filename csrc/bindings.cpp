@@ -365,6 +365,39 @@ void copy_blocks_op(at::TensorList caches, const at::Tensor& block_mapping, bool
   kernel(caches.vec(), block_mapping);
 }
 
+void copy_slots_op(at::TensorList caches, const at::Tensor& slot_mapping, bool check_values, CopySlotsKernel kernel) {
+  TORCH_CHECK_VALUE(!caches.empty(), "caches must be a non-empty list of cache tensors");
+  TORCH_CHECK_VALUE(caches.size() <= 8, "caches: at most 8 caches per call, got ", caches.size());
+  const at::Device device = caches[0].device();
+  for (size_t c = 0; c < caches.size(); ++c) check_cache(caches[c], "caches[" + std::to_string(c) + "]", device);
+  TORCH_CHECK_VALUE(slot_mapping.defined(), "slot_mapping must be a tensor, got None");
+  TORCH_CHECK_TYPE(slot_mapping.scalar_type() == at::kLong, "slot_mapping must have dtype int64, got ",
+                   c10::toString(slot_mapping.scalar_type()));
+  TORCH_CHECK_VALUE(slot_mapping.dim() == 2 && slot_mapping.size(1) == 2,
+                    "slot_mapping must be [P, 2] (src, dst) slot pairs, got shape ", shape_str(slot_mapping));
+  TORCH_CHECK_VALUE(slot_mapping.is_cpu() || slot_mapping.device() == device,
+                    "slot_mapping must be on the CPU or on the caches' device ", device.str(), ", got ",
+                    slot_mapping.device().str());
+  TORCH_CHECK_VALUE(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  if (slot_mapping.size(0) == 0) return;
+  if (check_values || slot_mapping.device() != device) {
+    const at::Tensor h = host(slot_mapping);
+    const int64_t* m = h.data_ptr<int64_t>();
+    std::set<int64_t> dsts;
+    for (int64_t i = 0; i < h.size(0); ++i) {
+      for (size_t c = 0; c < caches.size(); ++c) {
+        const int64_t num_slots = caches[c].size(2) * caches[c].size(3);
+        TORCH_CHECK_VALUE(m[2 * i] >= 0 && m[2 * i] < num_slots && m[2 * i + 1] >= 0 && m[2 * i + 1] < num_slots,
+                          "slot_mapping[", i, "] = (", m[2 * i], ", ", m[2 * i + 1], ") is out of range for caches[",
+                          c, "] with ", num_slots, " slots");
+      }
+      TORCH_CHECK_VALUE(dsts.insert(m[2 * i + 1]).second, "slot_mapping has duplicate destination slot ",
+                        m[2 * i + 1]);
+    }
+  }
+  kernel(caches.vec(), slot_mapping);
+}
+
 void write_kv_op(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& slot_mapping, bool check_values, WriteKvKernel kernel) {
   TORCH_CHECK_VALUE(cache.defined(), "cache must be a tensor, got None");
@@ -483,6 +516,7 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
         "Tensor node_parents, Tensor num_nodes, Tensor seeds, Tensor positions, str method=\"rejection\", "
         "bool check_values=True) -> (Tensor output_token_ids, Tensor num_accepted, Tensor accepted_nodes)");
   m.def("copy_blocks(Tensor(a!)[] caches, Tensor block_mapping, bool check_values=True) -> ()");
+  m.def("copy_slots(Tensor(a!)[] caches, Tensor slot_mapping, bool check_values=True) -> ()");
   m.def("write_kv(Tensor(a!) cache, int layer, Tensor k, Tensor v, Tensor slot_mapping, "
         "bool check_values=True) -> ()");
   m.def("uniform_noise(Tensor seeds, Tensor positions, int purpose, Tensor index) -> Tensor");
@@ -528,6 +562,9 @@ TORCH_LIBRARY_IMPL(specrt, CPU, m) {
          });
   m.impl("copy_blocks", [](at::TensorList caches, const Tensor& block_mapping, bool check) {
     specrt::copy_blocks_op(caches, block_mapping, check, &specrt::copy_blocks_cpu);
+  });
+  m.impl("copy_slots", [](at::TensorList caches, const Tensor& slot_mapping, bool check) {
+    specrt::copy_slots_op(caches, slot_mapping, check, &specrt::copy_slots_cpu);
   });
   m.impl("write_kv", [](const Tensor& cache, int64_t layer, const Tensor& k, const Tensor& v,
                         const Tensor& slot_mapping, bool check) {

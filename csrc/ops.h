@@ -59,6 +59,9 @@ void rejection_sample_tree_cpu(const at::Tensor& target_probs, const std::option
 // caches: each [layers, 2, num_blocks, block_size, kv_heads, head_dim], any dtype;
 // block_mapping[P,2] i64 (validated: in range, no duplicate destination)
 void copy_blocks_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& block_mapping);
+// slot_mapping[P,2] i64 (src, dst) slots (block * block_size + offset); all sources are
+// read before any destination is written (validated: in range, distinct destinations)
+void copy_slots_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& slot_mapping);
 // k, v [T,H,D] same dtype as cache; slot_mapping[T] i64, -1 = skip
 void write_kv_cpu(at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& slot_mapping);
@@ -90,6 +93,7 @@ void rejection_sample_tree_cuda(const at::Tensor& target_probs, const std::optio
 // block_mapping is a device tensor here (the op body validated it on the host
 // before it was copied over, or the caller opted out of validation).
 void copy_blocks_cuda(const std::vector<at::Tensor>& caches, const at::Tensor& block_mapping);
+void copy_slots_cuda(const std::vector<at::Tensor>& caches, const at::Tensor& slot_mapping);
 void write_kv_cuda(at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& slot_mapping);
 #endif
@@ -111,6 +115,7 @@ using RejectionSampleTreeKernel = void (*)(const at::Tensor&, const std::optiona
                                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                            AcceptMethod, at::Tensor&, at::Tensor&, at::Tensor&);
 using CopyBlocksKernel = void (*)(const std::vector<at::Tensor>&, const at::Tensor&);
+using CopySlotsKernel = void (*)(const std::vector<at::Tensor>&, const at::Tensor&);
 using WriteKvKernel = void (*)(at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 // Schemas and argument meaning: csrc/bindings.cpp and specrt/ops/.
@@ -144,6 +149,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rejection_sample_tree_op(
 // CPU mapping for device caches reaches the kernel still on the CPU.
 void copy_blocks_op(at::TensorList caches, const at::Tensor& block_mapping, bool check_values,
                     CopyBlocksKernel kernel);
+// Same validation rule as copy_blocks_op; slots in range for every cache, distinct destinations.
+void copy_slots_op(at::TensorList caches, const at::Tensor& slot_mapping, bool check_values, CopySlotsKernel kernel);
 void write_kv_op(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& slot_mapping, bool check_values, WriteKvKernel kernel);
 

@@ -431,6 +431,16 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
             cache[:, :, dst] = cache[:, :, src]
 
 
+def copy_slots(caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """Every (src, dst) row copies slot src to slot dst (slot = block * block_size + offset) in every
+    layer and K/V plane of every cache; all sources are read before any destination is written."""
+    for cache in caches:
+        block_size = cache.shape[3]
+        src, dst = slot_mapping[:, 0].long(), slot_mapping[:, 1].long()
+        staged = cache[:, :, src // block_size, src % block_size].clone()   # [layers, 2, P, H, D]
+        cache[:, :, dst // block_size, dst % block_size] = staged
+
+
 def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """cache[layer, 0|1, slot // block_size, slot % block_size] = k|v; slot -1 skipped."""

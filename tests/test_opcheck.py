@@ -14,7 +14,7 @@ from _cases import gen, random_rows, seeds_positions  # noqa: E402  (tests/ on s
 
 SPECRT = torch.ops.specrt
 OPS = ("probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "copy_blocks", "write_kv",
-       "uniform_noise", "log_det", "apply_penalties", "verify_tree_greedy", "rejection_sample_tree")
+       "uniform_noise", "log_det", "apply_penalties", "verify_tree_greedy", "rejection_sample_tree", "copy_slots")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.cuda_built()), reason="needs a CUDA GPU and a CUDA build of specrt"))]
 B, K, V = 3, 2, 11
@@ -62,6 +62,8 @@ def _cases(device: str) -> dict[str, list[tuple]]:
         "copy_blocks": [(caches, torch.tensor([[0, 3], [5, 1]], device=dev), True),
                         (caches, torch.tensor([[2, 4]]), False)],                     # CPU mapping
         "write_kv": [(cache, 1, kv, kv * 2, torch.tensor([0, -1, 9, 4], device=dev), True)],
+        "copy_slots": [(caches, torch.tensor([[5, 3], [3, 1], [20, 20]], device=dev), True),
+                       (caches, torch.tensor([[2, 4]]), False)],                      # CPU mapping
         "verify_tree_greedy": [(logits, ids, tree_parents, counts, True),
                                (logits, ids.long(), tree_parents.long(), counts.to(torch.int16), False)],
         "rejection_sample_tree": [(p, q, ids, tree_parents, counts, seeds, positions, "rejection", True),
@@ -99,7 +101,7 @@ def test_every_op_has_a_schema_and_mutations_are_declared():
     for name in OPS:
         schema = getattr(SPECRT, name).default._schema
         mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert mutated == {"copy_blocks": ["caches"], "write_kv": ["cache"],
+        assert mutated == {"copy_blocks": ["caches"], "copy_slots": ["caches"], "write_kv": ["cache"],
                            "apply_penalties": ["logits"]}.get(
             name, []), (name, str(schema))
 

@@ -1,4 +1,4 @@
-"""Token-tree verification (verify_tree_greedy, rejection_sample_tree)
+"""Token-tree verification (verify_tree_greedy, rejection_sample_tree) and copy_slots
 (DESIGN.md section 2, "Token trees"; issue 32 parts 4-5).
 
 * the CPU kernels return exactly what specrt/reference.py returns, on random trees (chains,
@@ -9,6 +9,8 @@
 * coupled verification emits plain autoregressive sample_tokens(purpose="target") tokens;
 * greedy follows the right path in hand-built trees;
 * bad inputs raise, naming the argument; unchecked garbage never faults;
+* copy_slots equals its reference, gathers before it scatters (overlapping chains), serves
+  several caches in one call;
 * CUDA == CPU bit for bit (skipped without a GPU).
 Statistical exactness is in tests/test_tree_exactness.py.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import attention, ops, reference
 
 from _cases import gen, greedy_case, seeds_positions, spec_case, tree_case, tree_greedy_case  # noqa: E402
 
@@ -348,6 +350,85 @@ def test_empty_batch_and_no_nodes():
 
 
 # --------------------------------------------------------------------------- #
+# copy_slots
+# --------------------------------------------------------------------------- #
+def _caches(g, device="cpu"):
+    """Two caches of different layers / heads / dims / dtypes / block sizes (slots are per cache)."""
+    return [torch.randn(3, 2, 6, 4, 2, 8, generator=g).to(device),
+            torch.randn(2, 2, 5, 5, 1, 3, generator=g).to(device=device, dtype=torch.bfloat16)]
+
+
+MAPPINGS = {
+    # a tree path's nodes at slots 10, 13, 15 move down to 8, 9, 10: slot 10 is read (-> 8) and written
+    "path_down": [[10, 8], [13, 9], [15, 10]],
+    # a chain where copying pair by pair in order would read an already-overwritten slot
+    "overlapping_chain": [[6, 5], [5, 4], [7, 6]],
+    "swap": [[3, 7], [7, 3]],
+    "self_and_far": [[4, 4], [0, 23], [23, 1]],
+    "single": [[2, 17]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MAPPINGS))
+def test_copy_slots_matches_reference(name):
+    g = gen("copy-slots", name)
+    mapping = torch.tensor(MAPPINGS[name], dtype=torch.int64)
+    caches = _caches(g)
+    want = [c.clone() for c in caches]
+    reference.copy_slots(want, mapping)
+    ops.copy_slots(caches, mapping)
+    for c, w in zip(caches, want):
+        assert torch.equal(c, w)
+    # gather-then-scatter, spelled out on the originals
+    orig = _caches(gen("copy-slots", name))
+    for c, o in zip(caches, orig):
+        bs = c.shape[3]
+        for src, dst in mapping.tolist():
+            assert torch.equal(c[:, :, dst // bs, dst % bs], o[:, :, src // bs, src % bs])
+        touched = {dst for _, dst in mapping.tolist()}
+        for s in range(c.shape[2] * bs):
+            if s not in touched:
+                assert torch.equal(c[:, :, s // bs, s % bs], o[:, :, s // bs, s % bs])
+
+
+def test_copy_slots_lists_and_wrapper():
+    g = gen("copy-slots-list")
+    caches = _caches(g)
+    want = [c.clone() for c in caches]
+    reference.copy_slots(want, torch.tensor([[6, 5], [5, 4]]))
+    attention.copy_slots(caches, torch.tensor([[6, 5], [5, 4]]))
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+    ops.copy_slots(caches, [[1, 2], [2, 3]])                       # a list mapping
+    reference.copy_slots(want, torch.tensor([[1, 2], [2, 3]]))
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+    ops.copy_slots(caches[0], [])                                   # one cache, nothing to do
+    attention.copy_slots(caches, torch.zeros(0, 2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("mapping,exc,match", [
+    ([[1, 2], [3, 2]], ValueError, "duplicate destination slot 2"),
+    ([[1, 24]], ValueError, r"slot_mapping\[0\] = \(1, 24\) is out of range for caches\[0\] with 24 slots"),
+    ([[0, 1], [2, 30]], ValueError, r"slot_mapping\[1\] = \(2, 30\) is out of range"),
+    ([[-1, 2]], ValueError, "out of range"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, "slot_mapping"),
+    (torch.tensor([[1, 2, 3]]), ValueError, "slot_mapping must be"),
+    (torch.tensor([[1, 2]], dtype=torch.int32), TypeError, "slot_mapping"),
+])
+def test_copy_slots_bad_input(mapping, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.copy_slots(_caches(gen("bad")), mapping)
+
+
+def test_copy_slots_bad_caches():
+    with pytest.raises(ValueError, match=r"caches\[0\]"):
+        ops.copy_slots([torch.zeros(2, 3, 4, 4, 1, 2)], [[0, 1]])
+    with pytest.raises(ValueError, match="caches"):
+        ops.copy_slots([], [[0, 1]])
+    with pytest.raises(ValueError, match=r"caches\[1\]"):
+        ops.copy_slots([torch.zeros(1, 2, 2, 2, 1, 1), torch.zeros(1, 2, 2, 2, 1, 1, device="meta")], [[0, 1]])
+
+
+# --------------------------------------------------------------------------- #
 # speed: much faster than the reference
 # --------------------------------------------------------------------------- #
 def test_tree_kernel_is_much_faster_than_the_reference():
@@ -417,5 +498,19 @@ def test_tree_cuda_chain_equals_chain_cuda_and_no_host_sync():
             t_out, t_acc, _ = ops.rejection_sample_tree(tp, dp, ids, parents, nd, seeds, positions, method=method)
             assert torch.equal(t_out, out) and torch.equal(t_acc, acc)
         ops.verify_tree_greedy(tp, ids, parents, nd)
+        ops.copy_slots([torch.zeros(2, 2, 4, 4, 2, 8, device="cuda")], torch.tensor([[3, 1], [1, 0]], device="cuda"))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(MAPPINGS))
+@pytest.mark.parametrize("mapping_on_device", [False, True])
+def test_copy_slots_cuda_exact(name, mapping_on_device):
+    mapping = torch.tensor(MAPPINGS[name], dtype=torch.int64)
+    want = _caches(gen("copy-slots-cuda", name))
+    reference.copy_slots(want, mapping)
+    got = _caches(gen("copy-slots-cuda", name), "cuda")
+    ops.copy_slots(got, mapping.cuda() if mapping_on_device else mapping)
+    for c, w in zip(got, want):
+        assert torch.equal(c.cpu(), w)

@@ -66,6 +66,11 @@ def _copy_blocks_fake(caches, block_mapping, check_values=True):
     return None
 
 
+@torch.library.register_fake("specrt::copy_slots")
+def _copy_slots_fake(caches, slot_mapping, check_values=True):
+    return None
+
+
 @torch.library.register_fake("specrt::write_kv")
 def _write_kv_fake(cache, layer, k, v, slot_mapping, check_values=True):
     return None
