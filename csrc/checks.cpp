@@ -94,6 +94,27 @@ void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num
   }
 }
 
+void check_tree_values(const at::Tensor& node_token_ids, const at::Tensor& node_parents, const at::Tensor& num_nodes,
+                       int64_t vocab) {
+  const at::Tensor ids = wide_host(node_token_ids);
+  const at::Tensor parents = wide_host(node_parents);
+  const at::Tensor counts = wide_host(num_nodes);
+  const int64_t batch = ids.size(0);
+  const int64_t max_nodes = ids.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t n = counts.data_ptr<int64_t>()[b];
+    TORCH_CHECK_VALUE(n >= 0 && n <= max_nodes, "num_nodes[", b, "] = ", n, " must be in [0, N=", max_nodes, "]");
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t parent = parents.data_ptr<int64_t>()[b * max_nodes + j];
+      TORCH_CHECK_VALUE(parent >= -1 && parent < j, "node_parents[", b, ", ", j, "] = ", parent,
+                        " must be in [-1, ", j - 1, "] (-1 = the root; a parent comes before its children)");
+      const int64_t x = ids.data_ptr<int64_t>()[b * max_nodes + j];
+      TORCH_CHECK_VALUE(x >= 0 && x < vocab, "node_token_ids[", b, ", ", j, "] = ", x,
+                        " is out of range for vocabulary size ", vocab);
+    }
+  }
+}
+
 void check_positions(const at::Tensor& positions) {
   const at::Tensor h = host(positions);
   for (int64_t i = 0; i < h.numel(); ++i)

@@ -40,6 +40,10 @@ bool row_has_mass(const at::Tensor& probs_host, int64_t row);
 // num_draft_tokens[b] in [0, K] and draft_token_ids[b, :n] in [0, vocab), on the wide values.
 void check_draft_values(const at::Tensor& draft_token_ids, const at::Tensor& num_draft_tokens, int64_t vocab);
 void check_positions(const at::Tensor& positions);
+// Token trees, on the wide values: num_nodes[b] in [0, N]; for j < num_nodes[b]
+// node_parents[b, j] in [-1, j-1] and node_token_ids[b, j] in [0, vocab).
+void check_tree_values(const at::Tensor& node_token_ids, const at::Tensor& node_parents, const at::Tensor& num_nodes,
+                       int64_t vocab);
 // A KV cache [layers, 2, num_blocks, block_size, kv_heads, head_dim] on `device`.
 void check_cache(const at::Tensor& cache, const std::string& name, const at::Device& device);
 

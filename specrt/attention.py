@@ -25,6 +25,13 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
         ops.copy_blocks(caches, block_mapping)
 
 
+def copy_slots(caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """Copy single token slots ``slot_mapping[:, 0] -> slot_mapping[:, 1]`` in every layer of every cache
+    (all sources read before any destination is written: an accepted tree path's KV moving down)."""
+    if slot_mapping.numel():
+        ops.copy_slots(caches, slot_mapping)
+
+
 def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     """A host tensor on ``device``: as is for the CPU; else staged in pinned memory (torch's caching host
     allocator keeps it alive until the copy is done) and copied without blocking (host -> device only)."""

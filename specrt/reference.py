@@ -295,6 +295,127 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     return out, num_accepted
 
 
+# --------------------------------------------------------------------------- #
+# Token trees (csrc/include/specrt/tree.h)
+# --------------------------------------------------------------------------- #
+TREE_MASS_LANES = 256
+
+
+def tree_children(node_parents: torch.Tensor, num_nodes: int, node: int) -> list[int]:
+    """The children of ``node`` (-1 = the root) in sibling order: nodes j in (node, num_nodes) with
+    parent ``node``, by increasing index."""
+    return [j for j in range(node + 1, num_nodes) if int(node_parents[j]) == node]
+
+
+def tree_mass(weights: torch.Tensor) -> torch.Tensor:
+    """The fixed-order float32 sum of specrt::tree_mass: element v goes to lane v % 256, each lane
+    adds its elements in increasing v from +0, then lanes[i] += lanes[i + s] for s = 128, ..., 1."""
+    w = weights.to(torch.float32)
+    pad = (-w.numel()) % TREE_MASS_LANES
+    blocks = torch.cat([w, torch.zeros(pad, dtype=torch.float32)]).view(-1, TREE_MASS_LANES)
+    lanes = torch.zeros(TREE_MASS_LANES, dtype=torch.float32)
+    for block in blocks:
+        lanes = lanes + block
+    s = TREE_MASS_LANES // 2
+    while s:
+        lanes[:s] = lanes[:s] + lanes[s:2 * s]
+        s //= 2
+    return lanes[0].clone()
+
+
+def tree_residual_weight(r: torch.Tensor, mass: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """specrt::tree_residual_weight: max(r / mass - q, 0) where r / mass > 0, else 0 (float32)."""
+    a = r.to(torch.float32) / mass
+    d = a - q.to(torch.float32)
+    zero = torch.zeros_like(a)
+    return torch.where(a > 0, torch.where(d > 0, d, zero), zero)
+
+
+def verify_tree_greedy(target_logits: torch.Tensor, node_token_ids: torch.Tensor, node_parents: torch.Tensor,
+                       num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk from the root: t = argmax of the current row (NaN as -inf, ties to the lowest id); the
+    first child whose token is t becomes current; else emit t. Row 0 is the root's, row j+1 node j's."""
+    b, n1, _ = target_logits.shape
+    out = torch.full((b, n1), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(b, dtype=torch.int32)
+    accepted_nodes = torch.full((b, n1 - 1), -1, dtype=torch.int32)
+    best = argmax_nan_low(target_logits)  # [B, N+1]
+    for r in range(b):
+        n, node, length = int(num_nodes[r]), -1, 0
+        while True:
+            t = int(best[r, node + 1])
+            out[r, length] = t
+            child = next((j for j in tree_children(node_parents[r], n, node) if int(node_token_ids[r, j]) == t), -1)
+            if child < 0:
+                break
+            accepted_nodes[r, length] = child
+            node, length = child, length + 1
+        num_accepted[r] = length
+    return out, num_accepted, accepted_nodes
+
+
+def rejection_sample_tree(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                          node_token_ids: torch.Tensor, node_parents: torch.Tensor, num_nodes: torch.Tensor,
+                          seeds: torch.Tensor, positions: torch.Tensor, method: str = "rejection"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact tree verification (DESIGN.md section 2, csrc/include/specrt/tree.h). At a node of depth a
+    (root 0) with target row p every random number is keyed at pos = positions[b] + a.
+
+    "coupled": accept the first child whose token is p's TARGET race winner, else emit the winner.
+    "rejection": residual r = p, mass m = 1; the child of rank k with token x (q_k its draft_probs
+    row, or one-hot at x) is accepted iff u_k * q_k(x) < r_x / m, u_k = uniform(seed, pos, ACCEPT,
+    k); on rejection r = tree_residual_weight(r, m, q_k), m = tree_mass(r). With no child accepted:
+    the RESIDUAL race over r (over p if r has no mass, or if the node is a leaf). A sibling is not
+    tried once m = 0 (nothing left to accept)."""
+    if method not in ("rejection", "coupled"):
+        raise ValueError(f"method must be 'rejection' or 'coupled', got {method!r}")
+    b, n1, vocab = target_probs.shape
+    out = torch.full((b, n1), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(b, dtype=torch.int32)
+    accepted_nodes = torch.full((b, n1 - 1), -1, dtype=torch.int32)
+    for req in range(b):
+        n, seed, node, length = int(num_nodes[req]), int(seeds[req]), -1, 0
+        while True:
+            p = target_probs[req, node + 1].to(torch.float32)
+            pos = int(positions[req]) + length
+            children = tree_children(node_parents[req], n, node)
+            child, emitted = -1, -1
+            if method == "coupled":
+                emitted, _ = race(p, seed, pos, PURPOSE_TARGET)
+                child = next((j for j in children if int(node_token_ids[req, j]) == emitted), -1)
+            else:
+                r, mass, rank = p, _f32(1.0), 0
+                for j in children:
+                    if rank > 0 and not bool(mass > 0):
+                        break
+                    x = int(node_token_ids[req, j])
+                    if draft_probs is not None:
+                        q = draft_probs[req, j].to(torch.float32)
+                    else:
+                        q = torch.zeros(vocab, dtype=torch.float32)
+                        q[x] = 1.0
+                    u = uniform(torch.tensor(seed), torch.tensor(pos), PURPOSE_ACCEPT, torch.tensor(rank))
+                    if bool(u.to(torch.float32) * q[x] < r[x] / mass):
+                        child, emitted = j, x
+                        break
+                    r = tree_residual_weight(r, mass, q)
+                    mass = tree_mass(r)
+                    rank += 1
+                if child < 0:
+                    score = 0.0
+                    if rank > 0:
+                        emitted, score = race(r, seed, pos, PURPOSE_RESIDUAL)
+                    if score == 0.0:
+                        emitted, _ = race(p, seed, pos, PURPOSE_RESIDUAL)
+            out[req, length] = emitted
+            if child < 0:
+                break
+            accepted_nodes[req, length] = child
+            node, length = child, length + 1
+        num_accepted[req] = length
+    return out, num_accepted, accepted_nodes
+
+
 def sample_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                   purpose: str = "target") -> torch.Tensor:
     """Exponential race per row under the given purpose (TARGET for plain decoding)."""
@@ -308,6 +429,16 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None
     for cache in caches:
         for src, dst in block_mapping.tolist():
             cache[:, :, dst] = cache[:, :, src]
+
+
+def copy_slots(caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """Every (src, dst) row copies slot src to slot dst (slot = block * block_size + offset) in every
+    layer and K/V plane of every cache; all sources are read before any destination is written."""
+    for cache in caches:
+        block_size = cache.shape[3]
+        src, dst = slot_mapping[:, 0].long(), slot_mapping[:, 1].long()
+        staged = cache[:, :, src // block_size, src % block_size].clone()   # [layers, 2, P, H, D]
+        cache[:, :, dst // block_size, dst % block_size] = staged
 
 
 def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,

@@ -111,3 +111,73 @@ def logits_case(n: int, v: int, g: torch.Generator):
     ps = torch.tensor([1.0, 0.9, 0.5, 0.05, 1.0, 0.7, 0.999, 1.0])
     idx = torch.randint(0, 8, (n, 3), generator=g)
     return x, temps[idx[:, 0]], ks[idx[:, 1]].clamp(min=0).int(), ps[idx[:, 2]]
+
+
+# --------------------------------------------------------------------------- #
+# token trees (verify_tree_greedy / rejection_sample_tree)
+# --------------------------------------------------------------------------- #
+def tree_shapes(b: int, n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(node_parents [B, N] int32, num_nodes [B] int32): request 0 a full chain, request 1 no
+    nodes, request 2 a star (every node a child of the root: many siblings), the rest random
+    trees (parent of j uniform in [-1, j-1], so wide and deep ones) with random node counts.
+    Parents past num_nodes are garbage (never read)."""
+    parents = torch.randint(-5, 50, (b, n), generator=g, dtype=torch.int32)
+    counts = torch.randint(0, n + 1, (b,), generator=g, dtype=torch.int32)
+    for r in range(b):
+        for j in range(n):
+            parents[r, j] = int(torch.randint(-1, j, (1,), generator=g)) if j else -1
+    parents[0] = torch.arange(-1, n - 1, dtype=torch.int32)
+    counts[0] = n
+    if b > 1:
+        counts[1] = 0
+    if b > 2:
+        parents[2] = -1
+        counts[2] = n
+    for r in range(b):
+        parents[r, int(counts[r]):] = torch.randint(-9, 99, (n - int(counts[r]),), generator=g, dtype=torch.int32)
+    return parents, counts
+
+
+def tree_case(b: int, n: int, v: int, with_q: bool, g: torch.Generator):
+    """(target_probs [B,N+1,V], draft_probs [B,N,V] or None, node_token_ids [B,N], node_parents
+    [B,N], num_nodes [B], seeds [B], positions [B]) for rejection_sample_tree.
+
+    Shapes from tree_shapes. Every third request is greedy (one-hot target rows). Half the
+    tokens are drawn from the parent's target row (so paths are accepted deep), the rest from
+    the node's q (or uniformly); siblings often repeat a token. Request 2 (a star) has draft
+    rows q = 2 p_root: its first rejection leaves a residual with no mass (the fall-back to p)."""
+    parents, counts = tree_shapes(b, n, g)
+    target = random_rows(g, (b, n + 1), v)
+    draft = random_rows(g, (b, n), v)
+    for r in range(0, b, 3):
+        hot = torch.randint(0, v, (n + 1,), generator=g)
+        target[r] = torch.nn.functional.one_hot(hot, v).float()
+    if with_q and b > 2:
+        draft[2] = 2 * target[2, 0]
+    ids = torch.randint(-3, v + 3, (b, n), generator=g, dtype=torch.int32)   # garbage past num_nodes
+    for r in range(b):
+        for j in range(int(counts[r])):
+            src = target[r, int(parents[r, j]) + 1] if torch.rand(1, generator=g) < 0.5 else (
+                draft[r, j] if with_q else torch.ones(v))
+            ids[r, j] = int(torch.multinomial(src, 1, generator=g))
+    seeds, positions = seeds_positions(g, b)
+    return target, (draft if with_q else None), ids, parents, counts, seeds, positions
+
+
+def tree_greedy_case(b: int, n: int, v: int, g: torch.Generator):
+    """(logits [B,N+1,V], node_token_ids [B,N], node_parents [B,N], num_nodes [B]) for
+    verify_tree_greedy: integer logits with ties and 10% NaN (row (2, 0) all NaN -> token 0);
+    60% of the nodes carry their parent row's argmax (deep accepted paths, and duplicate
+    siblings: the lowest index must win), the rest a random token."""
+    parents, counts = tree_shapes(b, n, g)
+    logits = torch.randint(-3, 3, (b, n + 1, v), generator=g).float()
+    logits[torch.rand(b, n + 1, v, generator=g) < 0.1] = float("nan")
+    if b > 2:
+        logits[2, 0] = float("nan")
+    best = reference.argmax_nan_low(logits)
+    ids = torch.randint(-3, v + 3, (b, n), generator=g, dtype=torch.int32)
+    for r in range(b):
+        for j in range(int(counts[r])):
+            hit = torch.rand(1, generator=g) < 0.6
+            ids[r, j] = int(best[r, int(parents[r, j]) + 1]) if hit else int(torch.randint(0, v, (1,), generator=g))
+    return logits, ids, parents, counts

@@ -14,7 +14,7 @@ from _cases import gen, random_rows, seeds_positions  # noqa: E402  (tests/ on s
 
 SPECRT = torch.ops.specrt
 OPS = ("probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "copy_blocks", "write_kv",
-       "uniform_noise", "log_det", "apply_penalties")
+       "uniform_noise", "log_det", "apply_penalties", "verify_tree_greedy", "rejection_sample_tree", "copy_slots")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.cuda_built()), reason="needs a CUDA GPU and a CUDA build of specrt"))]
 B, K, V = 3, 2, 11
@@ -48,6 +48,7 @@ def _cases(device: str) -> dict[str, list[tuple]]:
               torch.randn(1, 2, 7, 4, 1, 5, generator=g).to(device=dev, dtype=torch.bfloat16)]
     cache = torch.randn(3, 2, 5, 2, 2, 4, generator=g).to(dev)
     kv = torch.randn(4, 2, 4, generator=g).to(dev)
+    tree_parents = torch.tensor([[-1, -1]] * B, dtype=torch.int32, device=dev)   # two siblings per request
     cases = {
         "probs_from_logits": [(flat, temperature, top_k, top_p, None, True),
                               (flat.clone().requires_grad_(), temperature, top_k.long(), top_p, None, False),
@@ -61,6 +62,14 @@ def _cases(device: str) -> dict[str, list[tuple]]:
         "copy_blocks": [(caches, torch.tensor([[0, 3], [5, 1]], device=dev), True),
                         (caches, torch.tensor([[2, 4]]), False)],                     # CPU mapping
         "write_kv": [(cache, 1, kv, kv * 2, torch.tensor([0, -1, 9, 4], device=dev), True)],
+        "copy_slots": [(caches, torch.tensor([[5, 3], [3, 1], [20, 20]], device=dev), True),
+                       (caches, torch.tensor([[2, 4]]), False)],                      # CPU mapping
+        "verify_tree_greedy": [(logits, ids, tree_parents, counts, True),
+                               (logits, ids.long(), tree_parents.long(), counts.to(torch.int16), False)],
+        "rejection_sample_tree": [(p, q, ids, tree_parents, counts, seeds, positions, "rejection", True),
+                                  (p, None, ids, tree_parents, counts, seeds, positions, "rejection", True),
+                                  (p.clone().requires_grad_(), None, ids, tree_parents, counts, seeds, positions,
+                                   "coupled", False)],
         "apply_penalties": [_penalty_args(flat, ids, dev, True), _penalty_args(flat, ids.long(), dev, False)],
     }
     if device == "cpu":   # testing hooks: CPU only
@@ -92,7 +101,8 @@ def test_every_op_has_a_schema_and_mutations_are_declared():
     for name in OPS:
         schema = getattr(SPECRT, name).default._schema
         mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert mutated == {"copy_blocks": ["caches"], "write_kv": ["cache"], "apply_penalties": ["logits"]}.get(
+        assert mutated == {"copy_blocks": ["caches"], "copy_slots": ["caches"], "write_kv": ["cache"],
+                           "apply_penalties": ["logits"]}.get(
             name, []), (name, str(schema))
 
 

@@ -1,9 +1,10 @@
-// CPU kernels of the KV-cache ops: copy_blocks and write_kv (DESIGN.md
-// section 2). Both are plain byte copies; references in specrt/reference.py.
+// CPU kernels of the KV-cache ops: copy_blocks, copy_slots and write_kv
+// (DESIGN.md section 2). All are plain byte copies; references in specrt/reference.py.
 // bindings.cpp has validated shapes, dtypes and mapping values.
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <vector>
 
 #include "ops.h"
 
@@ -31,6 +32,41 @@ void copy_blocks_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& bl
           std::memcpy(plane_base + dst * block_bytes, plane_base + src * block_bytes,
                       static_cast<size_t>(block_bytes));
         }
+      }
+    });
+  }
+}
+
+// One slot of one (layer, k|v) plane is kv_heads*head_dim contiguous elements,
+// slot s at s * slot_bytes from the plane's start. Every source row of a plane
+// is gathered before any destination row of it is written, so overlapping
+// sources and destinations copy as the mapping says (a path's slots moved down
+// onto earlier ones). Parallel over planes: each task owns its plane.
+void copy_slots_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& slot_mapping) {
+  const int64_t pairs = slot_mapping.size(0);
+  const int64_t* mapping = slot_mapping.data_ptr<int64_t>();
+  for (const at::Tensor& cache : caches) {
+    const int64_t planes = cache.size(0) * 2;
+    const int64_t num_slots = cache.size(2) * cache.size(3);
+    const int64_t slot_bytes = cache.stride(3) * cache.element_size();
+    const int64_t plane_bytes = cache.stride(1) * cache.element_size();
+    char* base = static_cast<char*>(cache.data_ptr());
+    auto valid = [&](int64_t i) {  // unchecked input: a pair with a slot out of range is skipped
+      const int64_t src = mapping[2 * i], dst = mapping[2 * i + 1];
+      return src >= 0 && src < num_slots && dst >= 0 && dst < num_slots;
+    };
+    at::parallel_for(0, planes, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<char> staged(static_cast<size_t>(pairs * slot_bytes));
+      for (int64_t plane = lo; plane < hi; ++plane) {
+        char* plane_base = base + plane * plane_bytes;
+        for (int64_t i = 0; i < pairs; ++i)
+          if (valid(i))
+            std::memcpy(staged.data() + i * slot_bytes, plane_base + mapping[2 * i] * slot_bytes,
+                        static_cast<size_t>(slot_bytes));
+        for (int64_t i = 0; i < pairs; ++i)
+          if (valid(i))
+            std::memcpy(plane_base + mapping[2 * i + 1] * slot_bytes, staged.data() + i * slot_bytes,
+                        static_cast<size_t>(slot_bytes));
       }
     });
   }

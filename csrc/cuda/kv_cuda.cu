@@ -5,6 +5,10 @@
 //                     dtypes/shapes). The cache pointers/strides travel in a
 //                     small struct passed BY VALUE as the kernel argument: no
 //                     per-call host-to-device pointer table, graph-safe.
+//   copy_slots_cuda   copies single token slots src -> dst in every layer and K/V
+//                     plane of every cache: a gather launch into a staging
+//                     buffer, then a scatter launch (all sources are read before
+//                     any destination is written, whatever the overlap).
 //   write_kv_cuda     scatters new K/V rows [T, H, D] into their slots.
 //
 // Both are pure byte copies (dtype-agnostic) with the widest access unit (16,
@@ -100,6 +104,52 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+// Up to kMaxCaches caches for copy_slots. Cache c's planes are
+// [plane_begin[c], plane_begin[c+1]); slot s of a plane is slot_bytes long at
+// s * slot_bytes (slot = block * block_size + offset); its staging area holds
+// (plane, pair) rows of slot_bytes, plane-major.
+struct CopySlotsArgs {
+  char* base[kMaxCaches];
+  char* staged[kMaxCaches];
+  int64_t slot_bytes[kMaxCaches];  // kv_heads * head_dim * element size
+  int64_t num_slots[kMaxCaches];   // num_blocks * block_size
+  int32_t plane_begin[kMaxCaches + 1];
+  int32_t unit[kMaxCaches];
+  int32_t num_caches;
+};
+
+// copy_slots_kernel<kGather>
+//   grid  (P, min(total_planes, 65535)); block 256 threads.
+//   blockIdx.x = mapping pair p, blockIdx.y strides over the planes of all caches.
+//   kGather:  staged[plane, p] = plane slot src_p;   otherwise: plane slot dst_p = staged[plane, p].
+//   The two launches run in order on one stream, so every source is read before
+//   any destination is written.
+//   bytes: each launch reads + writes slot_bytes per (pair, plane).
+//   Guard: src or dst outside [0, num_slots_c) -> that pair is skipped for cache c.
+template <bool kGather>
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_slots_kernel(CopySlotsArgs args, const int64_t* __restrict__ slot_mapping, int64_t pairs) {
+  const int64_t pair = blockIdx.x;
+  const int64_t src = slot_mapping[2 * pair];
+  const int64_t dst = slot_mapping[2 * pair + 1];
+  const int32_t total_planes = args.plane_begin[args.num_caches];
+  for (int32_t plane = blockIdx.y; plane < total_planes; plane += gridDim.y) {
+    int c = 0;
+    while (c + 1 < args.num_caches && plane >= args.plane_begin[c + 1]) ++c;
+    const int64_t ns = args.num_slots[c];
+    if (src < 0 || src >= ns || dst < 0 || dst >= ns) continue;
+    const int64_t sb = args.slot_bytes[c];
+    const int64_t local = plane - args.plane_begin[c];
+    char* plane_base = args.base[c] + local * ns * sb;
+    char* stage = args.staged[c] + (local * pairs + pair) * sb;
+    if (kGather) {
+      copy_bytes(plane_base + src * sb, stage, sb, args.unit[c]);
+    } else {
+      copy_bytes(stage, plane_base + dst * sb, sb, args.unit[c]);
+    }
+  }
+}
+
 // write_kv_kernel
 //   grid  (T, 2); block 256 threads. blockIdx.x = token t, blockIdx.y = 0 (k) / 1 (v).
 //   The block copies row_bytes = H*D*element bytes from k[t] (or v[t]) to
@@ -161,6 +211,57 @@ void copy_blocks_cuda(const std::vector<at::Tensor>& caches, const at::Tensor& b
   }
 }
 
+void copy_slots_cuda(const std::vector<at::Tensor>& caches, const at::Tensor& slot_mapping) {
+  const int64_t P = slot_mapping.size(0);
+  if (P == 0 || caches.empty()) return;
+  TORCH_CHECK(P <= 0x7fffffff, "specrt: copy_slots: too many slot pairs: ", P);
+  const c10::cuda::CUDAGuard guard(slot_mapping.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(slot_mapping.device().index()).stream();
+  const int64_t* mapping = slot_mapping.data_ptr<int64_t>();
+
+  for (size_t first = 0; first < caches.size(); first += kMaxCaches) {
+    CopySlotsArgs args{};
+    int64_t offsets[kMaxCaches] = {};
+    int n = 0;
+    int64_t planes = 0;
+    int64_t staged_bytes = 0;
+    for (size_t c = first; c < caches.size() && c < first + kMaxCaches; ++c) {
+      const at::Tensor& cache = caches[c];
+      TORCH_CHECK(cache.dim() == 6, "specrt: copy_slots: caches[", c,
+                  "] must be [layers, 2, num_blocks, block_size, kv_heads, head_dim]");
+      TORCH_CHECK(cache.device() == slot_mapping.device(), "specrt: copy_slots: caches[", c, "] is on ",
+                  cache.device(), " but slot_mapping is on ", slot_mapping.device());
+      if (cache.numel() == 0) continue;
+      const int64_t slot_bytes = cache.size(4) * cache.size(5) * cache.element_size();
+      args.base[n] = static_cast<char*>(cache.data_ptr());
+      args.slot_bytes[n] = slot_bytes;
+      args.num_slots[n] = cache.size(2) * cache.size(3);
+      args.plane_begin[n] = static_cast<int32_t>(planes);
+      offsets[n] = staged_bytes;
+      staged_bytes += (cache.size(0) * 2 * P * slot_bytes + 15) / 16 * 16;  // 16-byte aligned areas
+      planes += cache.size(0) * 2;
+      TORCH_CHECK(planes <= 0x7fffffff, "specrt: copy_slots: too many layers");
+      ++n;
+    }
+    if (n == 0) continue;
+    args.plane_begin[n] = static_cast<int32_t>(planes);
+    args.num_caches = n;
+    // staging from the caching allocator: its memory stays ours until the
+    // scatter launch, queued behind the gather on this stream, has run
+    at::Tensor staged = at::empty({staged_bytes}, slot_mapping.options().dtype(at::kByte));
+    char* staged_base = static_cast<char*>(staged.data_ptr());
+    for (int c = 0; c < n; ++c) {
+      args.staged[c] = staged_base + offsets[c];
+      args.unit[c] = copy_unit(args.slot_bytes[c], {args.base[c], args.staged[c]});
+    }
+    const dim3 grid(static_cast<unsigned>(P), static_cast<unsigned>(std::min<int64_t>(planes, kMaxGridY)));
+    copy_slots_kernel<true><<<grid, kCopyThreads, 0, stream>>>(args, mapping, P);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    copy_slots_kernel<false><<<grid, kCopyThreads, 0, stream>>>(args, mapping, P);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 void write_kv_cuda(at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& slot_mapping) {
   const int64_t T = slot_mapping.size(0);
@@ -190,12 +291,21 @@ void copy_blocks_cuda_any_mapping(const std::vector<at::Tensor>& caches, const a
   copy_blocks_cuda(caches, block_mapping.pin_memory().to(device, /*non_blocking=*/true));
 }
 
+void copy_slots_cuda_any_mapping(const std::vector<at::Tensor>& caches, const at::Tensor& slot_mapping) {
+  const at::Device device = caches[0].device();
+  if (slot_mapping.device() == device) return copy_slots_cuda(caches, slot_mapping);
+  copy_slots_cuda(caches, slot_mapping.pin_memory().to(device, /*non_blocking=*/true));
+}
+
 }  // namespace
 }  // namespace specrt
 
 TORCH_LIBRARY_IMPL(specrt, CUDA, m) {
   m.impl("copy_blocks", [](at::TensorList caches, const at::Tensor& block_mapping, bool check) {
     specrt::copy_blocks_op(caches, block_mapping, check, &specrt::copy_blocks_cuda_any_mapping);
+  });
+  m.impl("copy_slots", [](at::TensorList caches, const at::Tensor& slot_mapping, bool check) {
+    specrt::copy_slots_op(caches, slot_mapping, check, &specrt::copy_slots_cuda_any_mapping);
   });
   m.impl("write_kv", [](const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& slot_mapping, bool check) {

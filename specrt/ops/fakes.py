@@ -37,6 +37,24 @@ def _rejection_sample_fake(target_probs, draft_probs, draft_token_ids, num_draft
     return _tokens_and_counts(target_probs)
 
 
+def _tree_outputs(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(like.dim() == 3, lambda: f"expected [B, N+1, V], got shape {list(like.shape)}")
+    b, n1 = like.shape[0], like.shape[1]
+    return (like.new_empty((b, n1), dtype=torch.int32), like.new_empty((b,), dtype=torch.int32),
+            like.new_empty((b, n1 - 1), dtype=torch.int32))
+
+
+@torch.library.register_fake("specrt::verify_tree_greedy")
+def _verify_tree_greedy_fake(target_logits, node_token_ids, node_parents, num_nodes, check_values=True):
+    return _tree_outputs(target_logits)
+
+
+@torch.library.register_fake("specrt::rejection_sample_tree")
+def _rejection_sample_tree_fake(target_probs, draft_probs, node_token_ids, node_parents, num_nodes, seeds, positions,
+                                method="rejection", check_values=True):
+    return _tree_outputs(target_probs)
+
+
 @torch.library.register_fake("specrt::sample_tokens")
 def _sample_tokens_fake(probs, seeds, positions, purpose=4, check_values=True):
     torch._check(probs.dim() == 2, lambda: f"probs must be 2-D, got shape {list(probs.shape)}")
@@ -45,6 +63,11 @@ def _sample_tokens_fake(probs, seeds, positions, purpose=4, check_values=True):
 
 @torch.library.register_fake("specrt::copy_blocks")
 def _copy_blocks_fake(caches, block_mapping, check_values=True):
+    return None
+
+
+@torch.library.register_fake("specrt::copy_slots")
+def _copy_slots_fake(caches, slot_mapping, check_values=True):
     return None
 
 

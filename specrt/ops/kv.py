@@ -1,4 +1,4 @@
-"""KV cache ops: block copies, key/value stores, and paged attention over the blocks.
+"""KV cache ops: block and slot copies, key/value stores, and paged attention over the blocks.
 
 paged_attention is the torch.library op specrt::paged_attention (csrc/attention_ops.cpp; kernels
 csrc/cpu/attention_cpu.cpp and csrc/cuda/attention_cuda.cu; shared math csrc/include/specrt/attention.h).
@@ -11,21 +11,34 @@ import torch
 
 from specrt.ops.checks import _check_values, _has_kernels, _index, _same_device, _tensor
 
-def _block_mapping(block_mapping) -> torch.Tensor:
+def _block_mapping(block_mapping, name: str = "block_mapping", what: str = "block") -> torch.Tensor:
     """A tensor passes as is (the op checks dtype int64); a list must hold integers."""
     if isinstance(block_mapping, torch.Tensor):
         return block_mapping.contiguous()
     if block_mapping is None:
-        raise ValueError("block_mapping must be a tensor, got None")
+        raise ValueError(f"{name} must be a tensor, got None")
     try:
         t = torch.as_tensor(block_mapping)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise ValueError(f"block_mapping must be a tensor or a list of (src, dst) pairs: {exc}") from None
+        raise ValueError(f"{name} must be a tensor or a list of (src, dst) pairs: {exc}") from None
     if t.numel() == 0:
         return torch.zeros(0, 2, dtype=torch.int64)
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"block_mapping must hold integer block ids, got {t.dtype} values")
+        raise TypeError(f"{name} must hold integer {what} ids, got {t.dtype} values")
     return (t.reshape(-1, 2) if t.dim() == 1 and t.numel() % 2 == 0 else t).to(torch.int64).contiguous()
+
+
+def _cache_list(caches) -> list[torch.Tensor]:
+    if isinstance(caches, torch.Tensor):
+        caches = [caches]
+    if not isinstance(caches, (list, tuple)):
+        raise TypeError(f"caches must be a list of cache tensors, got {type(caches).__name__}")
+    caches = [_tensor(c, f"caches[{i}]") for i, c in enumerate(caches)]
+    if not caches:
+        raise ValueError("caches must be a non-empty list of cache tensors")
+    for i, c in enumerate(caches[1:], 1):
+        _same_device(c, f"caches[{i}]", caches[0])
+    return caches
 
 
 def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: bool | None = None) -> None:
@@ -40,20 +53,36 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: boo
     Example:
         >>> ops.copy_blocks([target_cache, draft_cache], torch.tensor([[3, 8]]))   # block 3 -> block 8
     """
-    if isinstance(caches, torch.Tensor):
-        caches = [caches]
-    if not isinstance(caches, (list, tuple)):
-        raise TypeError(f"caches must be a list of cache tensors, got {type(caches).__name__}")
-    caches = [_tensor(c, f"caches[{i}]") for i, c in enumerate(caches)]
-    if not caches:
-        raise ValueError("caches must be a non-empty list of cache tensors")
-    for i, c in enumerate(caches[1:], 1):
-        _same_device(c, f"caches[{i}]", caches[0])
+    caches = _cache_list(caches)
     block_mapping = _block_mapping(block_mapping)
     if block_mapping.device.type != "cpu":
         _same_device(block_mapping, "block_mapping", caches[0])
     _has_kernels(caches[0], "caches")
     torch.ops.specrt.copy_blocks(caches, block_mapping, _check_values(caches[0], check_values))
+
+
+def copy_slots(caches: Sequence[torch.Tensor], slot_mapping, check_values: bool | None = None) -> None:
+    """Copy the K and V of single token slots src -> dst in every layer of every cache, in one call.
+
+    A slot is ``block * block_size + offset``. All sources are read before any destination is
+    written (a gather, then a scatter), so sources and destinations may overlap: this is how an
+    accepted tree path's KV moves down to consecutive positions. Destinations must be distinct;
+    src == dst is a no-op.
+
+    Shape: each cache [layers, 2, num_blocks, block_size, kv_heads, head_dim] (target and draft
+    caches may differ in every dim but 1 and in dtype; slots are read with each cache's
+    block_size); slot_mapping [P, 2] int64 (src, dst), on the CPU or on the caches' device. A CPU
+    mapping is always validated (in range for every cache, distinct destinations).
+
+    Example:
+        >>> ops.copy_slots([target_cache, draft_cache], torch.tensor([[37, 34], [39, 35]]))   # nodes 3, 5 -> 34, 35
+    """
+    caches = _cache_list(caches)
+    slot_mapping = _block_mapping(slot_mapping, "slot_mapping", "slot")
+    if slot_mapping.device.type != "cpu":
+        _same_device(slot_mapping, "slot_mapping", caches[0])
+    _has_kernels(caches[0], "caches")
+    torch.ops.specrt.copy_slots(caches, slot_mapping, _check_values(caches[0], check_values))
 
 
 def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
