@@ -14,7 +14,9 @@ from typing import Callable
 
 import torch
 
+from specrt.attention import copy_slots
 from specrt.drafters import Drafter, DraftProposal
+from specrt.drafters.tree import node_depths
 from specrt.kv_cache import PagedKVCache
 from specrt.metrics import EngineMetrics, StepSample
 from specrt.scheduler import Request
@@ -47,6 +49,8 @@ def commit_step(ctx: CommitContext, metrics: EngineMetrics, batch: list[Request]
     """Commit every request of the step; one whose bookkeeping raises (e.g. its text cannot be
     decoded) fails alone. Returns [(request, StepSample)] for the statistics (recorded once the
     step's time is known) and the requests that ended, in batch order."""
+    if result.accepted_nodes is not None:
+        _move_paths(ctx.kv, batch, result.accepted_nodes)
     for _ in range(proposal.pre_drafts_used):
         metrics.record_overlap(used=True)
     drafted_total, verify_share = max(sum(proposal.num_draft_tokens), 1), verify_s / len(batch)
@@ -61,6 +65,21 @@ def commit_step(ctx: CommitContext, metrics: EngineMetrics, batch: list[Request]
             logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
             ended.append(Ended(r, "error", f"{type(e).__name__}: {e}"))
     return samples, ended
+
+
+def _move_paths(kv: PagedKVCache, batch: list[Request], accepted_nodes: list[list[int]]) -> None:
+    """A tree step: each request's accepted path (node j in slot context_len + j) moves to consecutive
+    slots context_len + i in the target's cache, all requests in one copy (the draft's tree K/V lies
+    past its context and is dropped)."""
+    moves = []
+    for r, nodes in zip(batch, accepted_nodes):
+        table, L, bs = kv.block_table(r.request_id), r.context_len, kv.block_size
+        for i, j in enumerate(nodes):
+            if j != i:
+                src, dst = L + j, L + i
+                moves.append((table[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs))
+    if moves:
+        copy_slots([kv["target"]], torch.tensor(moves, dtype=torch.int64).to(kv["target"].device, non_blocking=True))
 
 
 def _commit_one(ctx: CommitContext, metrics: EngineMetrics, r: Request, b: int, proposal: DraftProposal,
@@ -82,7 +101,8 @@ def _commit_one(ctx: CommitContext, metrics: EngineMetrics, r: Request, b: int, 
     hidden_s = pre.seconds if kept and ctx.device.type == "cuda" else 0.0
     share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
     sample = StepSample(n, a, len(emitted), share, verify_share, hidden_s, context_len=L,
-                        temperature=r.params.temperature)
+                        temperature=r.params.temperature,
+                        depth=max(node_depths(proposal.parents(b)), default=0) if proposal.node_parents else None)
     reason = r.append_tokens(emitted, ctx.eos_token_ids, ctx.max_model_len, ctx.decode,
                              commit_logprobs(r, b, result))
     sample.emitted = len(r.output_token_ids) - (L - len(r.prompt_token_ids))

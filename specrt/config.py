@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 POLICIES = ("fixed", "confidence", "head", "budget")
 ADMISSIONS = ("fifo", "acceptance")
 ACCEPTANCE_METHODS = ("rejection", "coupled")
+TREES = ("auto", "dynamic", "fixed", "chain")
+MAX_TREE_NODES = 63            # the attention kernel's ancestor mask covers 64 keys
+DEFAULT_TREE_NODES = 12
+DEFAULT_TREE_BRANCHING = 4
 logger = logging.getLogger("specrt.config")
 INT32_MAX = 2 ** 31 - 1
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -266,6 +270,15 @@ class SpecConfig:
     over the full context, so the output is exact (only acceptance can drop).
     max_model_len: None (the models' own context) or a cap of at least 2 tokens (one prompt
     token and one generated token).
+
+    tree: "dynamic" drafts a token tree per request (EAGLE-2: the draft's ``tree_branching`` best
+    children of the best nodes of each depth, ``max_draft_length`` deep) and verifies every node
+    in one target forward; each step keeps as many of the best nodes (up to ``max_tree_nodes``)
+    as the measured verify cost per row repays, and drafting switches itself off while it is
+    slower than plain decoding (specrt.policy.tree). "fixed": always ``max_tree_nodes`` nodes,
+    never off. "chain": ``max_draft_length`` tokens in a line. "auto" (default): "dynamic" where
+    the drafter grows trees (a draft model, a feature draft, self:N), the policy is "fixed" and
+    overlap is off, else "chain". Steps with logit controls or log-probabilities draft chains.
     """
 
     min_draft_length: int | None = None
@@ -285,6 +298,9 @@ class SpecConfig:
     admission_max_wait: int = 64
     draft_kv_window: int = 0
     draft_kv_sinks: int = 4
+    tree: str = "auto"
+    max_tree_nodes: int = DEFAULT_TREE_NODES
+    tree_branching: int = DEFAULT_TREE_BRANCHING
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -318,6 +334,13 @@ class SpecConfig:
         _check_int("admission_max_wait", self.admission_max_wait, 0, INT32_MAX)
         _check_int("draft_kv_window", self.draft_kv_window, 0, INT32_MAX, " (0: the whole context)")
         _check_int("draft_kv_sinks", self.draft_kv_sinks, 0, INT32_MAX)
+        if self.tree not in TREES:
+            raise ValueError(f"tree must be one of {TREES}, got {self.tree!r:.60}")
+        _check_int("max_tree_nodes", self.max_tree_nodes, 1, MAX_TREE_NODES)
+        _check_int("tree_branching", self.tree_branching, 1, 16)
+        if self.tree in ("dynamic", "fixed") and self.policy != "fixed":
+            raise ValueError(f"tree={self.tree!r} grows trees of up to max_tree_nodes nodes under policy='fixed', got "
+                             f"policy={self.policy!r}: use tree='chain' with that policy")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
 

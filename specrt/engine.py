@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -26,6 +27,8 @@ import torch
 from specrt.config import SamplingParams, SpecConfig
 from specrt.accounting import record_costs, record_samples
 from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_size, make_drafter, no_drafts
+from specrt.drafters.tree import TreeShape
+from specrt.policy.tree import TreePlanner, TreeStep
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
 from specrt.loading import ModelLoader, load_target, use_int8_activations
 from specrt.attention import KVWindow
@@ -38,7 +41,7 @@ from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
 from specrt.overlap import Overlap, overlap_status
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.verify import accept, build_verify_batch, feeds_context, to_host
+from specrt.verify import accept, build_verify_batch, feeds_context, path_rows, to_host
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
@@ -92,6 +95,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
         self._kv_configs, self._kv_dtype = configs, dtype
         self.policy = make_policy(self.spec)
+        self.tree = self._tree_shape()
+        self.tree_planner = TreePlanner(adaptive=self.spec.tree != "fixed") if self.tree is not None else None
         self.resize_kv_cache(kv_cache_blocks(list(configs.values()), self.spec, dtype, self.device, self.max_model_len))
         self.costs = CostModel()
         overlap = overlap_status(self.spec.overlap, self.drafter, self.device)
@@ -210,23 +215,35 @@ class LLMEngine:
         t_step = time.perf_counter()
         saved = self.scheduler.save(batch)
         try:
-            ks, limits = self._plan(batch, forced_k)     # K per request
-            batch, ks = self._reserve(batch, ks)         # KV slots for the pending token + K drafts
+            ks, limits = self._plan(batch, forced_k)     # K per request (a tree step: its depth)
+            plan = self._tree_plan(batch, ks, forced_k)  # a tree engine's decision for this step
+            if plan is not None and not plan.draft:
+                ks = [0] * len(batch)
+            nodes = self._tree_nodes(batch, ks, forced_k)   # a tree step's node budgets; None: chains
+            depth = {r.request_id: k for r, k in zip(batch, ks)}
+            batch, ks = self._reserve(batch, ks if nodes is None else nodes)   # slots: pending + drafts
             if not batch:
                 return []
             before = [(len(r.output_token_ids), len(r.text)) for r in batch]
-            proposal = self._propose(batch, ks, limits)
-            pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap else None  # slots before the verify
+            if nodes is None:
+                proposal = self._propose(batch, ks, limits)
+            else:
+                shape = replace(self.tree, row_cost=plan.row_cost if self.tree_planner.adaptive else 0.0,
+                                calibration=plan.calibration)
+                proposal = self.drafter.propose_tree(batch, ks, [depth[r.request_id] for r in batch], shape)
+            pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap and nodes is None else None
             t_verify = time.perf_counter()
             vb = build_verify_batch(batch, proposal, self.kv, self.device)
             if self.drafter is not None:
                 self.drafter.mark_verify()
             logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
                                          logits_indices=vb.logits_indices, all_hidden=self._wants_hidden)  # [R, V]
-            if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
-                self.drafter.observe_target(batch, vb, hidden)
             verified = accept(vb, logits, self.spec.acceptance if self.speculative else None,
                               self.eos_token_ids)                                               # [B, K+1], [B]
+            if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
+                if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order
+                    hidden = hidden.index_select(0, path_rows(vb, verified.accepted_nodes, hidden.shape[0]))
+                self.drafter.observe_target(batch, vb, hidden)
             pre, pre_s = self._overlap.run(batch, ks, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
             result = to_host(vb, verified, pre)                 # the step's one device->host sync
         except Exception:
@@ -245,6 +262,11 @@ class LLMEngine:
         emitted = sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch))
         if self.speculative and forced_k is None:
             self.policy.step_done(emitted, step_s)
+        if plan is not None:
+            n = len(batch)
+            self.tree_planner.observe(sum(proposal.expected_accepted or [0.0]), sum(result.num_accepted), emitted,
+                                      step_s, self.costs.ar_step_time(n, vb.num_context_tokens, n), n,
+                                      drafted=nodes is not None)
         record_samples(self.costs, self.metrics, samples, vb, proposal, total_s, self.speculative)
         return [r.output(*before[i]) for i, r in enumerate(batch)]
 
@@ -289,6 +311,34 @@ class LLMEngine:
                 self.metrics.record_plan(time.perf_counter() - t0)
                 ks = [min(k, c) for k, c in zip(ks, limits.caps)]
         return (self._agree_ks(ks) if self._agree_ks is not None else ks), limits
+
+    def _tree_shape(self) -> TreeShape | None:
+        """How this engine grows trees (SpecConfig.tree), or None: it drafts chains."""
+        spec = self.spec
+        grows = self.drafter is not None and self.drafter.grows_trees and spec.max_draft_length > 0
+        if spec.tree == "chain" or not grows or (spec.tree == "auto" and (spec.policy != "fixed" or spec.overlap)):
+            return None
+        return TreeShape(spec.max_draft_length, spec.tree_branching, spec.tree_branching)
+
+    def _tree_plan(self, batch: list[Request], ks: list[int], forced_k: int | None) -> TreeStep | None:
+        """The tree planner's decision (draft or not, the row cost) for a step that may grow trees."""
+        if self.tree_planner is None or forced_k is not None or not any(ks):
+            return None
+        self.costs.refit()
+        n, context = len(batch), sum(r.context_len for r in batch)
+        return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth)
+
+    def _tree_nodes(self, batch: list[Request], ks: list[int], forced_k: int | None) -> list[int] | None:
+        """A tree step's node budget per request (0: no drafts), or None: this step drafts chains
+        (no trees, calibration, or a request whose logit controls / log-probabilities read each
+        verified row as the chain's position)."""
+        if self.tree is None or forced_k is not None or not any(ks):
+            return None
+        if any(r.params.has_logit_controls or r.params.logprobs is not None or r.params.prompt_logprobs is not None
+               for r in batch):
+            return None
+        return [min(self.spec.max_tree_nodes, self.max_model_len - r.context_len) if k > 0 else 0
+                for r, k in zip(batch, ks)]
 
     def _reserve(self, batch: list[Request], ks: list[int]):
         kept, kept_k, preempted, failed = self.scheduler.reserve(batch, ks)

@@ -57,6 +57,7 @@ class StepSample:
     ar_est_s: float | None = None     # what its emitted tokens would cost autoregressively (cost model)
     context_len: int = 0
     temperature: float = 0.0
+    depth: int | None = None          # a tree's depth: the positions it drafted (None: a chain's, ``drafted``)
 
 
 @dataclass
@@ -94,8 +95,9 @@ class RequestStats:
         if s.drafted:
             self.drafted_steps += 1
             self.accepted_when_drafted += s.accepted
-        self._grow(s.drafted)
-        for i in range(s.drafted):
+        positions = s.drafted if s.depth is None else s.depth
+        self._grow(positions)
+        for i in range(positions):
             self.drafted_at[i] += 1
             if i <= s.accepted:
                 self.reached_at[i] += 1

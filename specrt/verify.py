@@ -19,6 +19,7 @@ from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.controls import TokenLogprob
 from specrt.drafters.base import DraftProposal, PreDraft
+from specrt.drafters.tree import ancestor_mask, node_depths
 from specrt.sampling import (BatchControls, RowLogprobs, apply_controls, batch_controls, logprob_records, mask_eos,
                              pad_rows, param_rows, probs_from_logits, row_logprobs)
 
@@ -51,6 +52,9 @@ class VerifyBatch:
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)   # [P] (request b, next prompt token)
     query_start: list[int] = field(default_factory=list)     # [B] first row in T of each request's fed tokens
     query_position: list[int] = field(default_factory=list)  # [B] the position of that row
+    node_parents: torch.Tensor | None = None                 # [B, K] int32: a tree step's node parents
+                                                             # (-1: the pending token); None: chains
+    node_start: list[int] = field(default_factory=list)      # [B] first row in T of each request's nodes
 
 
 class Verified(NamedTuple):
@@ -60,6 +64,7 @@ class Verified(NamedTuple):
     num_accepted: torch.Tensor         # [B] int32
     logprobs: RowLogprobs | None       # at vb.logprob_rows (of each row's output token)
     prompt_logprobs: RowLogprobs | None   # at vb.prompt_rows
+    accepted_nodes: torch.Tensor | None = None   # [B, K] int32 a tree step's accepted path (node indices)
 
 
 @dataclass
@@ -72,6 +77,7 @@ class VerifyResult:
     pre_draft_guess: list[int]         # [B] the bonus token each pre-draft assumed (-1: none)
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # request b -> rows 0..n_b
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)   # b -> per prompt token
+    accepted_nodes: list[list[int]] | None = None   # [B][num_accepted] a tree step's path (node indices)
 
 
 def _scores_prompt(r) -> bool:
@@ -91,8 +97,10 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     recomputed for their logits without being written again (slot -1)."""
     kmax = proposal.draft_token_ids.shape[1]
     n = proposal.num_draft_tokens
+    tree = proposal.is_tree
     host_ids, positions, draft_dest, draft_src, logit_rows, seq_lens, query_lens = [], [], [], [], [], [], []
     unwritten, prompt_rows, prompt_logit_rows, query_start, query_position = [], [], [], [], []
+    masks, node_start = [], []
     for b, r in enumerate(batch):
         start, L = r.target_cached, r.context_len
         base = len(host_ids)
@@ -105,9 +113,15 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
         query_start.append(base)
         query_position.append(start)
         host_ids += pending + [0] * n[b]
+        node_start.append(base + len(pending))
         draft_dest += range(base + len(pending), base + len(pending) + n[b])
         draft_src += range(b * kmax, b * kmax + n[b])
-        positions += range(start, L + n[b])
+        if tree:                 # node j at the pending token's position + its depth; sees its ancestors
+            parents = proposal.parents(b)
+            positions += list(range(start, L)) + [L - 1 + d for d in node_depths(parents)]
+            masks += [-1] * len(pending) + ancestor_mask(parents)
+        else:
+            positions += range(start, L + n[b])
         logit_rows += range(base + len(pending) - 1, base + len(pending) + n[b])
         seq_lens.append(L + n[b])
         query_lens.append(L + n[b] - start)
@@ -119,11 +133,13 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     if draft_dest:
         input_ids[dev(draft_dest)] = proposal.draft_token_ids.view(-1).index_select(0, dev(draft_src)).long()
     meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in batch],
-                                   kv.block_size, device)
+                                   kv.block_size, device, tree_mask=masks if tree else None)
     if unwritten:
         meta.slot_mapping[dev(unwritten)] = -1
     counts = [k + 1 for k in n]
     row_request = [b for b, c in enumerate(counts) for _ in range(c)]
+    # how many tokens each verified row's output follows (its depth: a chain's i-th row, i)
+    row_depths = [[0] + node_depths(proposal.parents(b)) if tree else list(range(c)) for b, c in enumerate(counts)]
     return VerifyBatch(
         input_ids=input_ids, positions=dev(positions), attn_metadata=meta,
         logits_indices=dev(logit_rows + prompt_logit_rows), draft_token_ids=proposal.draft_token_ids,
@@ -131,12 +147,19 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
         pad_index=dev([b * (kmax + 1) + i for b, c in enumerate(counts) for i in range(c)]),
         seeds=dev([r.seed for r in batch]), first_positions=dev([r.context_len for r in batch]),
         params=[r.params for r in batch], row_params=[r.params for r, c in zip(batch, counts) for _ in range(c)],
-        output_index=[r.num_generated + i for r, c in zip(batch, counts) for i in range(c)],
+        output_index=[r.num_generated + i for b, r in enumerate(batch) for i in row_depths[b]],
         num_query_tokens=sum(query_lens), num_context_tokens=sum(seq_lens),
         row_request=row_request, row_offset=[i for c in counts for i in range(c)],
         controls=batch_controls(batch, device),
         logprob_rows=[j for j, b in enumerate(row_request) if batch[b].params.logprobs is not None],
-        prompt_rows=prompt_rows, query_start=query_start, query_position=query_position)
+        prompt_rows=prompt_rows, query_start=query_start, query_position=query_position,
+        node_parents=_parents_tensor(proposal, kmax, device) if tree else None, node_start=node_start)
+
+
+def _parents_tensor(proposal: DraftProposal, kmax: int, device) -> torch.Tensor:
+    """[B, K] int32 node parents, -1 padded (padding nodes are never read: num_draft_tokens)."""
+    rows = [proposal.parents(b) + [-1] * (kmax - n) for b, n in enumerate(proposal.num_draft_tokens)]
+    return torch.tensor(rows, dtype=torch.int32).view(len(rows), kmax).to(device, non_blocking=True)
 
 
 def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_token_ids: list[int]) -> Verified:
@@ -150,8 +173,10 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
     if vb.controls is not None:
         apply_controls(logits, vb.controls, vb.row_request, vb.row_offset, vb.draft_token_ids)
     mask_eos(logits, vb.row_params, vb.output_index, eos_token_ids)
-    probs = None
-    if all(p.greedy for p in vb.params):
+    probs, nodes = None, None
+    if vb.node_parents is not None:
+        tokens, accepted, nodes = _accept_tree(vb, logits, acceptance, counts, kmax)
+    elif all(p.greedy for p in vb.params):
         tokens, accepted = ops.verify_greedy(pad_rows(logits, counts, kmax, vb.pad_index), vb.draft_token_ids,
                                              vb.num_draft_tokens_t, check_values=False)
     else:
@@ -166,7 +191,36 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
                                                     vb.num_draft_tokens_t, vb.seeds, vb.first_positions,
                                                     method=acceptance, check_values=False)
     return Verified(tokens, accepted, _output_logprobs(vb, logits, probs, tokens),
-                    _prompt_logprobs(vb, prompt_logits))
+                    _prompt_logprobs(vb, prompt_logits), nodes)
+
+
+def _accept_tree(vb: VerifyBatch, logits, acceptance: str | None, counts: list[int], kmax: int):
+    """A tree step's verification (no logprob rows: tree steps take requests without them):
+    (output_token_ids [B, K+1], num_accepted [B], accepted_nodes [B, K])."""
+    if all(p.greedy for p in vb.params):
+        return ops.verify_tree_greedy(pad_rows(logits, counts, kmax, vb.pad_index), vb.draft_token_ids,
+                                      vb.node_parents, vb.num_draft_tokens_t, check_values=False)
+    probs = probs_from_logits(logits, param_rows(vb.params, counts, logits.device))    # [R, V]
+    return ops.rejection_sample_tree(pad_rows(probs, counts, kmax, vb.pad_index), vb.draft_probs,
+                                     vb.draft_token_ids, vb.node_parents, vb.num_draft_tokens_t, vb.seeds,
+                                     vb.first_positions, method=acceptance or "rejection", check_values=False)
+
+
+def path_rows(vb: VerifyBatch, accepted_nodes: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[T] int64 on the device: the fed rows reordered so that each request's node rows follow its
+    accepted path (row i of its nodes = the row of path node i; past the path, as fed), for a
+    drafter that reads the verify forward's rows by position (observe_target)."""
+    dev = accepted_nodes.device
+    b = [i for i, n in enumerate(vb.num_draft_tokens) for _ in range(n)]
+    j = [k for n in vb.num_draft_tokens for k in range(n)]
+    index = torch.arange(num_rows, dtype=torch.int64, device=dev)
+    if not b:
+        return index
+    bt, jt = (torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True) for x in (b, j))
+    node = accepted_nodes[bt, jt].long()
+    start = torch.tensor([vb.node_start[i] for i in b], dtype=torch.int64).to(dev, non_blocking=True)
+    index[start + jt] = start + torch.where(node >= 0, node, jt)
+    return index
 
 
 def _output_logprobs(vb: VerifyBatch, logits, probs, tokens) -> RowLogprobs | None:
@@ -230,10 +284,15 @@ def to_host(vb: VerifyBatch, verified: Verified, pre: dict[int, PreDraft]) -> Ve
     if pre:
         idx = torch.tensor(list(pre), dtype=torch.int64).to(tokens.device, non_blocking=True)
         guesses[idx] = torch.stack([p.guess for p in pre.values()]).to(torch.int32)
-    head = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]], 1)
+    nodes = verified.accepted_nodes
+    head = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]]
+                     + ([nodes.to(torch.int32)] if nodes is not None else []), 1)
     host = torch.cat([head.reshape(-1)] + _flat(verified.logprobs) + _flat(verified.prompt_logprobs)).cpu()
     table = host[:head.numel()].view(head.shape)
-    result = VerifyResult(table[:, :-2].tolist(), table[:, -2].tolist(), pre, table[:, -1].tolist())
+    W = tokens.shape[1]
+    result = VerifyResult(table[:, :W].tolist(), table[:, W].tolist(), pre, table[:, W + 1].tolist())
+    if nodes is not None:
+        result.accepted_nodes = [row[W + 2:W + 2 + a] for row, a in zip(table.tolist(), result.num_accepted)]
     at, out = _unflat(host, head.numel(), verified.logprobs)
     if out is not None:
         out_tokens = [result.output_token_ids[vb.row_request[j]][vb.row_offset[j]] for j in vb.logprob_rows]

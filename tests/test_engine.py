@@ -498,18 +498,20 @@ def _once():
     return fail
 
 
-def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy):
+@pytest.mark.parametrize("tree", ["chain", "fixed"])
+def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy, tree):
     """A drafter that raises once, or a target forward that raises once: every request still
     completes with the autoregressive tokens (the step is retried request by request) and the
     engine serves on. A drafter that raises whenever one request is in its batch fails that
     request alone (finish_reason "error", its KV freed, not left running); the others finish
     with their tokens, and the engine serves afterwards."""
     tdir, ddir = pair
-    spec = SpecConfig(max_draft_length=3)
+    spec = SpecConfig(max_draft_length=3, tree=tree)
+    propose = "propose" if tree == "chain" else "propose_tree"
     flaky = {}
 
     def wrap(d):
-        flaky["d"] = _Flaky(d, "propose", _once())
+        flaky["d"] = _Flaky(d, propose, _once())
         return flaky["d"]
     llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, wrap_drafter=wrap)
     assert tokens(llm_.generate(PROMPTS, GREEDY)) == ar_greedy and flaky["d"].raised == 1
@@ -530,7 +532,7 @@ def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy):
     poison = [9, 9, 9, 9]
 
     def wrap_poisoned(d):
-        flaky["p"] = _Flaky(d, "propose", lambda a: any(r.prompt_token_ids == poison for r in a[0]))
+        flaky["p"] = _Flaky(d, propose, lambda a: any(r.prompt_token_ids == poison for r in a[0]))
         return flaky["p"]
     llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=spec, seed=0, wrap_drafter=wrap_poisoned)
     e = llm_.engine

@@ -168,7 +168,7 @@ def _proposals(fdir, wrap=None, k: int = 2):
             return out
         drafter.propose = spy
         return drafter
-    eng = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=k, max_batch_size=1),
+    eng = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=k, max_batch_size=1, tree="chain"),
                      seed=0, wrap_drafter=record)
     eng.generate(CODE[:3], GREEDY)
     return eng, seen
@@ -299,7 +299,7 @@ def test_preemption_keeps_the_output_and_drafting_resumes(fdir, ar):
     from specrt.models.registry import resolve_model
 
     cfgs = [load_model(resolve_model("builtin", "target")).config, DraftModel.from_pretrained(fdir).lm_config]
-    spec = SpecConfig(max_draft_length=3, block_size=4, kv_cache_budget=40 * kv_bytes_per_block(cfgs, 4, torch.float32))
+    spec = SpecConfig(max_draft_length=3, block_size=4, tree="chain", kv_cache_budget=40 * kv_bytes_per_block(cfgs, 4, torch.float32))
     drafted_after = []
 
     def watch(drafter):

@@ -73,7 +73,7 @@ def test_greedy_equals_autoregressive(pair, monkeypatch, draft, k, overlap):
     ar = tokens(specrt.LLM(target=str(tdir), draft=None, seed=0).generate(PROMPTS, GREEDY))
     counter = _Counter(monkeypatch)
     folder = {"model": ddir, "reduced": rdir}[draft]
-    llm = specrt.LLM(target=str(tdir), draft=f"{folder}+ngram:1", seed=0, spec=SpecConfig(max_draft_length=k, overlap=overlap))
+    llm = specrt.LLM(target=str(tdir), draft=f"{folder}+ngram:1", seed=0, spec=SpecConfig(max_draft_length=k, overlap=overlap, tree="chain"))
     assert llm.engine.draft_kind.endswith("+ngram")
     drafter, marked = llm.engine.drafter, []
     propose = drafter.propose
@@ -102,7 +102,7 @@ def _joint(llm, n: int, prompt: list[int]) -> np.ndarray:
 def test_rejection_sampling_with_lookup_rows_is_exact(pair, looped, monkeypatch):
     tdir, ddir, _ = pair
     _, second = exact_tables(tdir, looped)
-    spec = SpecConfig(max_draft_length=2, max_batch_size=256)
+    spec = SpecConfig(max_draft_length=2, max_batch_size=256, tree="chain")
     counter = _Counter(monkeypatch)
     llm = specrt.LLM(target=str(tdir), draft=f"{ddir}+ngram:1", seed=0, spec=spec)
     joint = _joint(llm, 4000, looped)

@@ -130,7 +130,7 @@ def test_rejection_sampling_with_a_reduced_draft_is_exact(pair, tmp_path, kind):
     ddir = save_reduced_draft(tdir, tmp_path / "full", layers=(0, 1, 2), kind=kind, feature_scale=0.05)
     first, second = exact_tables(tdir, PROMPTS[1])
     n = 4000
-    spec = SpecConfig(max_draft_length=2, max_batch_size=256)
+    spec = SpecConfig(max_draft_length=2, max_batch_size=256, tree="chain")
     eng = specrt.LLM(target=str(tdir), draft=str(ddir), seed=0, spec=spec)
     got = _pairs(eng, n, seed0=1000)
     rate = eng.stats()["total"]["first_token_acceptance_rate"]

@@ -85,6 +85,22 @@ class DraftProposal:
     cost: DraftCost = field(default_factory=DraftCost)
     pre_drafts_used: int = 0            # overlap pre-drafts this proposal consumed
     lookup_rows: frozenset[int] = frozenset()   # rows drafted by prompt lookup: their draft KV did not advance
+    node_parents: list[list[int]] | None = None  # [B][n_b] host: each node's parent (-1: the pending token;
+                                                 # specrt.drafters.tree); None: every request's drafts are a chain
+    expected_accepted: list[float] | None = None  # [B] a tree's nodes the draft expects accepted (the sum
+                                                  # of their path probabilities); None: not a model tree
+
+    def parents(self, b: int) -> list[int]:
+        """Request b's node parents (a chain's when the proposal has no tree)."""
+        if self.node_parents is None:
+            return list(range(-1, self.num_draft_tokens[b] - 1))
+        return self.node_parents[b]
+
+    @property
+    def is_tree(self) -> bool:
+        """Some request's nodes branch (else every proposal is a chain)."""
+        return self.node_parents is not None and any(
+            any(p != j - 1 for j, p in enumerate(ps)) for ps in self.node_parents)
 
 
 @dataclass
@@ -116,6 +132,7 @@ class Drafter:
     name = "none"          # for display (server, metrics); the engine never branches on it
     caps_vary = False      # proposal lengths come and go every step: the policy must plan every step
     supports_pre_draft = False   # overlap: can draft the next round while this one verifies
+    grows_trees = False          # propose_tree grows real trees (else it proposes a chain)
     reads_target_kv = False      # drafts from the target's own KV cache (self:N)
     draft_params = None          # research hook: the sampling parameters of draft rows (None: the request's)
     wants_target_hidden = False  # the target's verify forward returns every fed row's final-normed
@@ -148,6 +165,12 @@ class Drafter:
     def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
                 pre_length: PreLength | None = None) -> DraftProposal:
         raise NotImplementedError
+
+    def propose_tree(self, batch, budgets: list[int], depths: list[int], shape) -> DraftProposal:
+        """A token tree per request of at most ``budgets[b]`` nodes and ``depths[b]`` levels, grown
+        to ``shape`` (specrt.drafters.tree.TreeShape). Default: a chain of min(budget, depth) tokens."""
+        return self.propose(batch, [min(n, d) for n, d in zip(budgets, depths)],
+                            self.limit(batch, [min(n, d) for n, d in zip(budgets, depths)]), None)
 
     def fence(self) -> None:
         """Before a step's first KV write: make it wait for a pre-draft still running (CUDA)."""

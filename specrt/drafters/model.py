@@ -21,6 +21,7 @@ from specrt.config import SamplingParams
 from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, PreLength,
                                   StopRule)
 from specrt.drafters.lookup import PromptLookup, fill_lookup_rows
+from specrt.drafters.tree import draft_tree
 from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
 
@@ -28,6 +29,7 @@ class ModelDrafter(Drafter):
     name = "model"
     cache_name = "draft"      # which cache of the PagedKVCache it reads and writes
     supports_pre_draft = True
+    grows_trees = True
     reads_target_kv = False   # its pre-draft may run while the verification writes the target's KV
 
     def __init__(self, model, settings: DraftSettings, accept_head=None, num_layers: int | None = None):
@@ -92,6 +94,14 @@ class ModelDrafter(Drafter):
         proposal.cost.events = self._events
         return proposal
 
+    def propose_tree(self, batch, budgets: list[int], depths: list[int], shape) -> DraftProposal:
+        """A dynamic tree per request (specrt.drafters.tree), on the draft stream like ``propose``."""
+        with self._on_stream():
+            proposal = draft_tree(self, batch, budgets, depths, shape)
+        if self._stream is not None:   # verification waits for the drafts (an event, no host sync)
+            torch.cuda.current_stream(self.settings.device).wait_stream(self._stream)
+        return proposal
+
     def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
         fed = proposal.draft_cached[row]
         if pre is not None:
@@ -150,22 +160,30 @@ class ModelDrafter(Drafter):
 
     def _forward(self, reqs, input_ids: torch.Tensor, seq_lens: list[int], query_lens: list[int],
                  out_index: list[int], host_ids: list[int] | None = None, history: tuple | None = None,
-                 write: bool = True, features: torch.Tensor | None = None):
+                 write: bool = True, features: torch.Tensor | None = None, positions: list[int] | None = None,
+                 tree_mask: list[int] | None = None, every_row: bool = False):
         """One batched draft forward; returns (q [rows, V] f32, logits [rows, V], hidden or None) at each
         row's last position. ``host_ids``: the rows' tokens when they may recompute blocks shared
         between requests (catch-up over a target-only prefix): each shared slot is then written once.
         ``history`` (BatchControls, rows' batch indices, rows' draft offsets, drafts [B, W]): the
         logit controls, each row seeing its request's drafts before it (None: no request has any).
         ``write`` False: the new tokens' K/V are not stored (their slots already hold them).
-        ``features`` [T, H]: what ``_step_features`` gave (feature drafts)."""
+        ``features`` [T, H]: what ``_step_features`` gave (feature drafts). A tree level
+        (specrt.drafters.tree): ``positions`` [T] of the rows (else the slots'), their ``tree_mask``
+        [T], and ``every_row``: q / logits at every row (else at each request's last)."""
         dev, kv = self.settings.device, self.kv
-        positions = torch.tensor([p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)],
-                                 dtype=torch.int64).to(dev, non_blocking=True)
+        if positions is None:
+            positions = [p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)]
+        positions = torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True)
         meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in reqs],
                                        kv.block_size, dev, token_ids=host_ids, window=self.settings.kv_window,
-                                       write=write)
+                                       write=write, tree_mask=tree_mask)
         self.attended = sum(meta.seq_lens_host)
-        last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
+        if every_row:
+            last = torch.arange(sum(query_lens), dtype=torch.int64, device=dev)
+            reqs = [r for r, q in zip(reqs, query_lens) for _ in range(q)]
+        else:
+            last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
         logits, hidden = self._run_model(input_ids, positions, meta, last, features)
         logits = self.target_logits(logits)
         params = [r.params for r in reqs]

@@ -1,0 +1,222 @@
+"""Token trees through the engine (specrt.drafters.tree, verify, commit) on the tiny test pair.
+
+Properties proven here:
+- the tree helpers: depths, the attention kernel's ancestor masks (a chain is plain causal), the
+  candidate selection keeps every chosen node's ancestors;
+- greedy: tree speculation == autoregressive output, for the model, feature and self:N drafters,
+  batch 1-8, several node budgets and branchings, and tree steps really branch and accept more
+  tokens per target forward than the chain of the same depth;
+- coupled acceptance over trees == autoregressive sampling with the same seed;
+- rejection over trees: the distribution of the first two generated tokens equals the target's
+  (chi-square against the exact tables);
+- requests with logit controls or log-probabilities draft chains, and still match;
+- bad tree settings are refused naming the field.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_utils import VOCAB, LLMCache, exact_tables, pair_for_tests, tokens  # noqa: E402
+
+from specrt import SamplingParams, SpecConfig  # noqa: E402
+from specrt.drafters.tree import (MAX_TREE_NODES, TreeShape, _Candidates, ancestor_mask, chain_parents,  # noqa: E402
+                                  node_depths)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [30, 31], [40, 41, 42, 43, 44, 45, 46],
+           [50] * 3 + [51] * 3, [60, 61, 62, 60, 61, 62, 60], [70]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return pair_for_tests(tmp_path_factory)
+
+
+llm = LLMCache()
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(pair):
+    return tokens(llm(pair, "none").generate(PROMPTS, GREEDY))
+
+
+# ------------------------------------------------------------------ helpers
+
+def test_depths_and_masks():
+    assert node_depths([-1, -1, 0, 0, 1, 2]) == [1, 1, 2, 2, 2, 3]
+    assert ancestor_mask(chain_parents(7)) == [-1] * 7
+    m = [x & (2 ** 64 - 1) for x in ancestor_mask([-1, -1, 0, 0, 1, 2])]
+    # node 4 (parent 1): itself, node 1 three slots back, and everything before the tree (5+ back)
+    assert m[4] & 0b11111 == 0b01001 and m[4] >> 5 == 2 ** 59 - 1
+    # node 5 (parent 2, grandparent 0): itself, node 2 (3 back), node 0 (5 back)
+    assert m[5] & 0b111111 == 0b101001
+    with pytest.raises(ValueError, match="parent"):
+        node_depths([-1, 1])
+    with pytest.raises(ValueError, match="at most"):
+        ancestor_mask(chain_parents(MAX_TREE_NODES + 1))
+
+
+def test_selection_keeps_ancestors():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        c = _Candidates()
+        c.add(-1, 1, 0.0, [1, 2, 3], list(np.log(rng.dirichlet(np.ones(3)))))
+        for parent in range(12):
+            c.add(parent, c.depths[parent] + 1, c.scores[parent], [4, 5], list(np.log(rng.dirichlet(np.ones(2)))))
+        for budget in (1, 4, 9):
+            toks, parents, _ = c.select(budget)
+            assert len(toks) == budget
+            node_depths(parents)         # every parent precedes its node: the selection is a tree
+
+
+def test_tree_shape_is_checked():
+    with pytest.raises(ValueError, match="branching"):
+        TreeShape(4, branching=0)
+    for field, value in (("tree", "bushy"), ("max_tree_nodes", 0), ("max_tree_nodes", 64), ("tree_branching", 0)):
+        with pytest.raises(ValueError, match=field):
+            SpecConfig(**{field: value})
+    with pytest.raises(ValueError, match="tree"):
+        SpecConfig(tree="dynamic", policy="confidence")
+
+
+# ------------------------------------------------------------------ engine
+
+@pytest.mark.parametrize("draft", ["model", "self:1"])
+@pytest.mark.parametrize("nodes,branching", [(12, 4), (6, 2), (20, 3)])
+def test_tree_greedy_equals_autoregressive(pair, ar_greedy, draft, nodes, branching):
+    eng = llm(pair, draft, tree="fixed", max_tree_nodes=nodes, tree_branching=branching, max_draft_length=5)
+    for batch in (1, 3, 8):
+        got = tokens(eng.generate(PROMPTS[:batch], GREEDY))
+        assert got == ar_greedy[:batch], f"draft={draft} nodes={nodes} batch={batch}"
+
+
+def _per_forward(eng, prompts) -> float:
+    """Tokens emitted per target forward over ``prompts`` (one request at a time)."""
+    emitted = forwards = 0
+    for p in prompts:
+        eng.engine.reset_metrics()
+        out = eng.generate([p], GREEDY)[0]
+        forwards += eng.stats()["total"]["steps"]
+        emitted += len(out.token_ids)
+    return emitted / forwards
+
+
+def test_trees_branch_and_accept_more_than_the_chain(pair):
+    tree = llm(pair, "model", tree="fixed", max_tree_nodes=16, tree_branching=4, max_draft_length=4)
+    chain = llm(pair, "model", tree="chain", max_draft_length=4)
+    assert tree.engine.tree is not None and chain.engine.tree is None
+    t, c = _per_forward(tree, PROMPTS), _per_forward(chain, PROMPTS)
+    assert t > c, f"tree {t:.2f} tokens per forward, chain {c:.2f}"
+
+
+def test_coupled_trees_equal_autoregressive_sampling(pair):
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=20, ignore_eos=True, seed=100 + i)
+              for i in range(len(PROMPTS))]
+    ar = tokens(llm(pair, "none", acceptance="coupled").generate(PROMPTS, params))
+    for draft in ("model", "self:1"):
+        eng = llm(pair, draft, acceptance="coupled", tree="fixed", max_tree_nodes=10, max_draft_length=4)
+        assert tokens(eng.generate(PROMPTS, params)) == ar, draft
+
+
+def test_controls_and_logprobs_draft_chains_and_match(pair):
+    eng = llm(pair, "model", tree="dynamic", max_tree_nodes=10, max_draft_length=4)
+    ar = llm(pair, "none")
+    for params in (SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)):
+        assert tokens(eng.generate(PROMPTS[:4], params)) == tokens(ar.generate(PROMPTS[:4], params))
+
+
+@pytest.mark.slow
+def test_rejection_over_trees_is_exact(pair):
+    """T=1, top-k 8 sampling over trees: the two tokens after the first (the prefill's, plain) come
+    from a tree step of depth 2 and follow the target's exact tables given the first."""
+    from _stats import P_PASS, chisquare_conditional, chisquare_gof
+
+    tdir, _ = pair
+    prompt = [5, 6, 7, 8]
+    eng = llm(pair, "model", tree="fixed", max_tree_nodes=10, tree_branching=3, max_draft_length=3)
+    n = 6000
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=7000 + i)
+              for i in range(n)]
+    outs = []
+    for i in range(0, n, 500):
+        outs += [o.token_ids for o in eng.generate([prompt] * 500, params[i:i + 500])]
+    assert eng.stats()["total"]["accepted_tokens"] > 0          # the trees were really verified
+    x0s, sizes = np.unique([o[0] for o in outs], return_counts=True)
+    tested = 0
+    for x0 in x0s[sizes >= 1000]:
+        first, second = exact_tables(tdir, prompt + [int(x0)])
+        joint = np.zeros((VOCAB, VOCAB))
+        for o in outs:
+            if o[0] == x0:
+                joint[o[1], o[2]] += 1
+        assert chisquare_gof(joint.sum(1), first)[1] > P_PASS, x0
+        assert chisquare_conditional(joint, second)[1] > P_PASS, x0
+        tested += 1
+    assert tested >= 1
+
+
+def test_lookup_branches_and_preemption_keep_greedy(pair, ar_greedy):
+    """Prompt lookup in front of the draft (its matches drafted as chains inside a tree step), and a
+    KV cache so small that tree steps preempt requests: the output is still autoregressive."""
+    import specrt
+    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models import load_model
+
+    tdir, ddir = pair
+    eng = specrt.LLM(target=str(tdir), draft=f"{ddir}+ngram:1", seed=0,
+                     spec=SpecConfig(tree="fixed", max_tree_nodes=8, max_draft_length=4))
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar_greedy
+    cfg = load_model(tdir).config
+    spec = SpecConfig(tree="fixed", max_tree_nodes=12, max_draft_length=4, block_size=4,
+                      kv_cache_budget=30 * kv_bytes_per_block([cfg, cfg], 4, torch.float32))
+    small = specrt.LLM(target=str(tdir), draft=str(ddir), seed=0, spec=spec)
+    assert tokens(small.generate(PROMPTS, GREEDY)) == ar_greedy
+    assert small.stats()["preemptions"] > 0
+    assert small.engine.num_free_blocks() == small.engine.kv.num_blocks
+
+
+def test_node_count_follows_the_row_cost():
+    """select keeps the nodes whose expected acceptance repays their verify rows: all of them when
+    rows are free, fewer as rows cost more, none when even the best is not worth one row."""
+    c = _Candidates()
+    c.add(-1, 1, 0.0, [1, 2, 3, 4], list(np.log([0.6, 0.2, 0.1, 0.05])))
+    c.add(0, 2, c.scores[0], [5, 6], list(np.log([0.7, 0.2])))
+    sizes = [len(c.select(6, row_cost)[0]) for row_cost in (0.0, 0.05, 0.2, 0.5, 2.0)]
+    assert sizes[0] == 6 and sizes == sorted(sizes, reverse=True) and sizes[-1] == 0
+    toks, parents, expected = c.select(2, 0.0)
+    assert toks == [1, 5] and parents == [-1, 0] and expected == pytest.approx(0.6 + 0.42)
+
+
+def test_planner_switches_off_and_retries():
+    from specrt.policy.tree import OFF_BELOW, PROBE_EVERY, RETRY_EVERY, TreePlanner
+
+    p = TreePlanner()
+    assert p.plan(None, 1, 1, 10, 4).draft
+    for _ in range(40):                  # tree steps at half the plain speed: drafting goes off
+        p.observe(1.0, 1, 1, step_s=0.2, plain_s=0.1, batch_size=1, drafted=True)
+    assert p.speedup < OFF_BELOW and not p.on
+    decisions = [p.plan(None, 1, 1, 10, 4).draft for _ in range(3 * RETRY_EVERY)]
+    assert 1 <= sum(decisions) <= 4      # a retry every RETRY_EVERY steps
+    for _ in range(60):                  # trees at 1.5x: back on
+        p.observe(1.0, 1, 3, step_s=0.2, plain_s=0.1, batch_size=1, drafted=True)
+    assert p.on and p.calibration == pytest.approx(1.0)
+    from specrt.policy import CostModel
+    plain = sum(not p.plan(CostModel(), 1, 1, 10, 4).draft for _ in range(2 * PROBE_EVERY))
+    assert plain >= 2                    # plain probes keep the autoregressive time measured
+    fixed = TreePlanner(adaptive=False)
+    fixed.on = False
+    assert all(fixed.plan(None, 1, 1, 10, 4).draft for _ in range(100))
+
+
+def test_dynamic_trees_keep_greedy_and_coupled(pair, ar_greedy):
+    eng = llm(pair, "model", tree="dynamic", max_tree_nodes=16, max_draft_length=4)
+    assert eng.engine.tree_planner.adaptive
+    for _ in range(3):                   # long enough for the planner to size, probe and switch
+        assert tokens(eng.generate(PROMPTS, GREEDY)) == ar_greedy
