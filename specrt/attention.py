@@ -1,8 +1,8 @@
 """Attention metadata and the KV-cache writes the model's attention layers issue.
 
 Below both ``specrt.models`` (which reads the metadata and writes K/V) and ``specrt.kv_cache``
-(which builds the metadata from its block tables). ``write_kv`` / ``copy_blocks`` are thin
-wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.reference``.
+(which builds the metadata from its block tables). ``write_kv`` / ``copy_blocks`` / ``copy_slots``
+are thin wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.reference``.
 """
 from __future__ import annotations
 

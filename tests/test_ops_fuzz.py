@@ -29,7 +29,7 @@ import pytest
 from _env import CHILD_CWD, child_env  # noqa: E402  (tests/ on sys.path)
 
 OPS = ("probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "copy_blocks", "write_kv",
-       "uniform_noise", "log_det")
+       "uniform_noise", "log_det", "verify_tree_greedy", "rejection_sample_tree", "copy_slots")
 FUZZ_EXAMPLES = 200          # per op
 CHILD_TIMEOUT_S = 300        # all ops together; ~20-40 s when the machine is quiet
 
@@ -95,6 +95,10 @@ _ARGS = {
     "write_kv": ("cache", "layer", "k", "v", "slot_mapping"),
     "uniform_noise": ("seeds", "positions", "purpose", "index"),
     "log_det": ("x",),
+    "verify_tree_greedy": ("target_logits", "node_token_ids", "node_parents", "num_nodes"),
+    "rejection_sample_tree": ("target_probs", "draft_probs", "node_token_ids", "node_parents", "num_nodes", "seeds",
+                              "positions", "method"),
+    "copy_slots": ("caches", "slot_mapping"),
 }
 
 
@@ -198,6 +202,16 @@ def _mutate(d: _Draw, t, kind_float: bool, vocab: int, p: float = 0.3):
     return t
 
 
+def _tree(d: _Draw, b: int, n: int, v: int):
+    """(node_token_ids [b, n] int32, node_parents [b, n] int32 valid, num_nodes [b] int32)."""
+    import torch
+    parents = torch.full((b, n), -1, dtype=torch.int32)
+    for j in range(1, n):
+        parents[:, j] = torch.randint(-1, j, (b,), generator=d.g, dtype=torch.int32)
+    return (torch.randint(0, v, (b, n), generator=d.g, dtype=torch.int32), parents,
+            torch.randint(0, n + 1, (b,), generator=d.g, dtype=torch.int32))
+
+
 class _Builders:
     """A valid call of each op (args dict, check_values), then mutations."""
 
@@ -298,6 +312,49 @@ class _Builders:
         x = torch.rand(d.int(0, 6), generator=d.g) * d.pick([1.0, 1e30, 1e-30]) + 1e-38
         return dict(x=_mutate(d, x, True, 0, p=0.5)), None
 
+    @staticmethod
+    def verify_tree_greedy(d: _Draw):
+        import torch
+        b, n, v = d.int(0, 4), d.int(0, 4), d.int(1, 9)
+        ids, parents, counts = _tree(d, b, n, v)
+        args = dict(target_logits=torch.randn(b, n + 1, v, generator=d.g), node_token_ids=ids, node_parents=parents,
+                    num_nodes=counts)
+        return {key: _mutate(d, t, key == "target_logits", v) for key, t in args.items()}, d.check_values()
+
+    @staticmethod
+    def rejection_sample_tree(d: _Draw):
+        import torch
+        b, n, v = d.int(0, 4), d.int(0, 4), d.int(1, 9)
+        ids, parents, counts = _tree(d, b, n, v)
+        draft = torch.softmax(torch.randn(b, n, v, generator=d.g) * 2, -1) if d.chance(0.7) else None
+        args = dict(target_probs=torch.softmax(torch.randn(b, n + 1, v, generator=d.g) * 2, -1), draft_probs=draft,
+                    node_token_ids=ids, node_parents=parents, num_nodes=counts,
+                    seeds=torch.randint(-2**62, 2**62, (b,), generator=d.g),
+                    positions=torch.randint(0, 2**40, (b,), generator=d.g))
+        args = {key: _mutate(d, t, key.endswith("probs"), v) for key, t in args.items()}
+        args["method"] = d.pick(["rejection"] * 3 + ["coupled"] * 2 + ["greedy", None, 1])
+        return args, d.check_values()
+
+    @staticmethod
+    def copy_slots(d: _Draw):
+        import torch
+        caches = []
+        for _ in range(d.int(1, 3)):
+            shape = (d.int(1, 2), 2, d.int(1, 4), d.int(1, 3), d.int(1, 2), d.int(1, 4))
+            caches.append(torch.randn(*shape, generator=d.g).to(d.pick([torch.float32, torch.bfloat16])))
+        slots = min(c.shape[2] * c.shape[3] for c in caches)
+        pairs = d.int(0, slots)
+        dst = torch.randperm(slots, generator=d.g)[:pairs]                 # distinct destinations
+        src = torch.randint(0, slots, (pairs,), generator=d.g)             # any sources, overlaps included
+        mapping = torch.stack([src, dst], 1).to(torch.int64)
+        caches = [_mutate(d, c, True, slots) for c in caches]
+        if d.chance(0.1):
+            caches = d.pick([[], None, caches[0], tuple(caches), "caches"])
+        mapping = _mutate(d, mapping, False, slots)
+        if d.chance(0.1):
+            mapping = d.pick([[[0.9, 1.7]], [], [0, 1], [[0, 1, 2]], [[2**70, 0]], [[0, 1], [1, 1]]])
+        return dict(caches=caches, slot_mapping=mapping), d.check_values()
+
 
 def _call(op: str, args: dict, check):
     from specrt import ops
@@ -306,6 +363,10 @@ def _call(op: str, args: dict, check):
         return ops.rejection_sample(a.pop("target_probs"), a.pop("draft_probs"), a.pop("draft_token_ids"),
                                     a.pop("num_draft_tokens"), a.pop("seeds"), a.pop("positions"),
                                     method=a.pop("method"), check_values=check)
+    if op == "rejection_sample_tree":
+        return ops.rejection_sample_tree(a.pop("target_probs"), a.pop("draft_probs"), a.pop("node_token_ids"),
+                                         a.pop("node_parents"), a.pop("num_nodes"), a.pop("seeds"), a.pop("positions"),
+                                         method=a.pop("method"), check_values=check)
     if op in ("uniform_noise", "log_det"):
         return getattr(ops, op)(**a)
     return getattr(ops, op)(**a, check_values=check)
@@ -440,6 +501,55 @@ class _Validate:
             b = self.before
             reference.write_kv(b["cache"], int(b["layer"]), b["k"], b["v"], b["slot_mapping"])
             assert _same_bits(self.after["cache"], b["cache"])
+
+    def _tree_tokens(self, b: int, n1: int, v: int):
+        import torch
+        out, accepted, nodes = self.result
+        assert out.shape == (b, n1) and accepted.shape == (b,) and nodes.shape == (b, n1 - 1)
+        assert out.dtype == accepted.dtype == nodes.dtype == torch.int32
+        assert bool(((out >= -1) & (out < v)).all()) and bool(((accepted >= 0) & (accepted < n1)).all())
+        assert bool(((nodes >= -1) & (nodes < n1 - 1)).all())
+        for r in range(b):   # num_accepted + 1 tokens and num_accepted nodes, then -1 padding
+            m = int(accepted[r])
+            assert bool((out[r, : m + 1] >= 0).all()) and bool((out[r, m + 1:] == -1).all()), out
+            assert bool((nodes[r, :m] >= 0).all()) and bool((nodes[r, m:] == -1).all()), nodes
+
+    def verify_tree_greedy(self):
+        import torch
+        from specrt import reference
+        a = self.before
+        b, n1, v = a["target_logits"].shape
+        self._tree_tokens(b, n1, v)
+        if self.checked:
+            want = reference.verify_tree_greedy(a["target_logits"].float(), a["node_token_ids"], a["node_parents"],
+                                                torch.as_tensor(a["num_nodes"]))
+            assert all(bool((x == y).all()) for x, y in zip(self.result, want)), (self.result, want)
+
+    def rejection_sample_tree(self):
+        import torch
+        from specrt import reference
+        a = self.before
+        b, n1, v = a["target_probs"].shape
+        self._tree_tokens(b, n1, v)
+        if self.checked:
+            dp = a["draft_probs"].float() if a["draft_probs"] is not None else None
+            want = reference.rejection_sample_tree(a["target_probs"].float(), dp, a["node_token_ids"],
+                                                   a["node_parents"], torch.as_tensor(a["num_nodes"]),
+                                                   torch.as_tensor(a["seeds"]), torch.as_tensor(a["positions"]),
+                                                   method=a["method"])
+            assert all(bool((x == y).all()) for x, y in zip(self.result, want)), (self.result, want)
+
+    def copy_slots(self):
+        import torch
+        from specrt import reference
+        assert self.result is None
+        caches = self.before["caches"]
+        caches = [caches] if isinstance(caches, torch.Tensor) else list(caches)
+        if self.checked:
+            reference.copy_slots(caches, torch.as_tensor(self.before["slot_mapping"]).reshape(-1, 2))
+            after = self.after["caches"]
+            after = [after] if isinstance(after, torch.Tensor) else list(after)
+            assert all(_same_bits(x, y) for x, y in zip(after, caches))
 
     def uniform_noise(self):
         import torch

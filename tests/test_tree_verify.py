@@ -152,7 +152,7 @@ def test_chain_as_tree_equals_verify_greedy(b, v, k):
 @pytest.mark.parametrize("method,with_q", [("rejection", True), ("rejection", False), ("coupled", True),
                                            ("coupled", False)])
 def test_chain_as_tree_equals_rejection_sample(b, v, k, method, with_q):
-    for trial in range(4):
+    for trial in range(2):
         tp, dp, ids, nd, seeds, positions = spec_case(b, v, k, with_q, gen("chain", b, v, k, with_q, trial))
         out, acc = ops.rejection_sample(tp, dp, ids, nd, seeds, positions, method=method)
         t_out, t_acc, nodes = ops.rejection_sample_tree(tp, dp, ids, _chain_parents(b, k), nd, seeds, positions,

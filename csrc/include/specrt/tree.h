@@ -18,12 +18,11 @@
 //   child of rank k  accept iff  u_k * q_k(x) < r_x / m      (tree_accept)
 //                    u_k = uniform(seed, pos, ACCEPT, k)
 //   reject           r'_v = max(r_v / m - q_k(v), 0) where r_v / m > 0, else 0
-//                    m'   = tree_mass(r')                    (tree_residual_weight)
+//                    (tree_residual_weight); m' = the fixed-order mass of r' (below)
 //   none accepted    emit the RESIDUAL race over r at pos; a residual with no
 //                    mass (q >= p_res everywhere, only by rounding) falls back
-//                    to the race over p, as the chain kernel does; the same
-//                    fallback ends the walk when a later sibling would have
-//                    to divide by m' = 0
+//                    to the race over p, as the chain kernel does; once m' = 0
+//                    no later sibling is tried (nothing is left to accept)
 //   leaf             emit the bonus: the RESIDUAL race over p at pos
 //
 // Dividing by m = 1 is exact, so rank 0 tests u * q(x) < p(x) and its
@@ -35,7 +34,8 @@
 // bits: element v goes to lane v % kTreeMassLanes, each lane adds its
 // elements in increasing v starting from +0, then the lanes combine pairwise
 // (tree_mass_from_lanes). The CPU kernel keeps 256 lane accumulators (which
-// vectorise), the CUDA kernel one lane per thread of a 256-thread block.
+// vectorise), the CUDA kernel one lane per thread of a 256-thread block;
+// specrt/reference.py's tree_mass spells the order out in torch.
 #pragma once
 
 #include "specrt/common.h"
@@ -70,14 +70,6 @@ SPECRT_HOST_DEVICE float tree_mass_from_lanes(float* lanes) {
   for (int s = kTreeMassLanes / 2; s > 0; s >>= 1)
     for (int i = 0; i < s; ++i) lanes[i] = lanes[i] + lanes[i + s];
   return lanes[0];
-}
-
-// The fixed-order mass of w[0, n) (the definition; kernels reproduce it).
-SPECRT_HOST_DEVICE float tree_mass(const float* w, int64_t n) {
-  float lanes[kTreeMassLanes];
-  for (int l = 0; l < kTreeMassLanes; ++l) lanes[l] = 0.0f;
-  for (int64_t v = 0; v < n; ++v) lanes[v % kTreeMassLanes] = lanes[v % kTreeMassLanes] + w[v];
-  return tree_mass_from_lanes(lanes);
 }
 
 // Children of node `parent` (-1 = root) are the nodes j in (parent, n) with
