@@ -5,8 +5,9 @@
     python -m bench.trees --trees 8x4,12x4,16x5 --chains 1,2,3,4
 
 Batch 1, held-out chat and code prompts (bench.smollm2_pair's), ``--max-tokens`` new tokens each.
-Modes: autoregressive; the draft as a chain at each K of ``--chains``; the draft as a dynamic
-tree at each NODESxDEPTH of ``--trees`` (branching ``--branching``); and ``default``: the engine
+Modes: autoregressive; the draft as a chain at each K of ``--chains``; the draft as a tree at
+each NODESxDEPTH of ``--trees`` (branching ``--branching``), dynamic (sized per step by measured
+costs, off where it does not pay) and/or fixed (``--kinds``); and ``default``: the engine
 a user gets by naming the draft and setting nothing else. Every mode runs through
 bench.runner.compare (per prompt, in a seeded random order; speedups are medians of paired
 per-repeat ratios). Reported per mode: tokens/s, speedup, tokens per target forward (tau),
@@ -46,9 +47,10 @@ def modes_for(args, loader) -> dict:
     for k in args.chains:
         modes[f"chain_k{k}"] = (llm(args.draft, SpecConfig(tree="chain", max_draft_length=k, **common)), params)
     for n, d in args.trees:
-        spec = SpecConfig(tree="dynamic", max_tree_nodes=n, max_draft_length=d, tree_branching=args.branching,
-                          **common)
-        modes[f"tree_{n}x{d}"] = (llm(args.draft, spec), params)
+        for kind in args.kinds:
+            spec = SpecConfig(tree=kind, max_tree_nodes=n, max_draft_length=d, tree_branching=args.branching,
+                              **common)
+            modes[f"{kind}_{n}x{d}"] = (llm(args.draft, spec), params)
     if args.default:
         modes["default"] = (llm(args.draft, SpecConfig(acceptance=args.acceptance, max_batch_size=1)), params)
     return modes
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chains", default="1,2,4", help="chain draft lengths K")
     ap.add_argument("--trees", default="8x4,12x5,16x6", help="dynamic trees NODESxDEPTH")
     ap.add_argument("--branching", type=int, default=4)
+    ap.add_argument("--kinds", default="dynamic", help="tree kinds per NODESxDEPTH: dynamic (sized by the "
+                    "planner, off where it does not pay) and/or fixed (always the whole budget)")
     ap.add_argument("--no-default", dest="default", action="store_false", help="skip the default engine")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1, help="which held-out prompts")
@@ -75,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.chains = [int(k) for k in args.chains.split(",") if k]
     args.trees = parse_trees(args.trees)
+    args.kinds = [k for k in args.kinds.split(",") if k]
     torch.set_num_threads(args.threads)
     loader = shared_loader({})
     modes = modes_for(args, loader)

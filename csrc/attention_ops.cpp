@@ -12,6 +12,7 @@
 
 #include "attention_ops.h"
 #include "checks.h"
+#include "specrt/attention.h"
 
 namespace specrt {
 namespace {
@@ -144,12 +145,16 @@ PagedAttentionArgs check_paged_attention(const at::Tensor& q, const at::Tensor& 
   return a;
 }
 
+int64_t attention_tile_keys() { return attn::kTileKeys; }
+
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def(
       "paged_attention(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float scale, int window, int max_query_len, int max_seq_len, bool check_values, Tensor? tree_mask=None) "
       "-> Tensor");
   m.def("_attention_cpu_isa(int cap) -> int", &attention_cpu_isa);  // testing hook, no tensors: catch-all
+  // keys per online-softmax update (attn::kTileKeys): a token tree inside one tile verifies with decode's bits
+  m.def("attention_tile_keys() -> int", &attention_tile_keys);
 }
 
 TORCH_LIBRARY_IMPL(specrt, CPU, m) { m.impl("paged_attention", &paged_attention_cpu_op); }

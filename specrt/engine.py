@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specrt import ops
 from specrt.config import SamplingParams, SpecConfig
 from specrt.accounting import record_costs, record_samples
 from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_size, make_drafter, no_drafts
@@ -96,6 +97,7 @@ class LLMEngine:
         self._kv_configs, self._kv_dtype = configs, dtype
         self.policy = make_policy(self.spec)
         self.tree = self._tree_shape()
+        self._tile_keys = ops.attention_tile_keys()
         self.tree_planner = TreePlanner(adaptive=self.spec.tree != "fixed") if self.tree is not None else None
         self.resize_kv_cache(kv_cache_blocks(list(configs.values()), self.spec, dtype, self.device, self.max_model_len))
         self.costs = CostModel()
@@ -228,8 +230,10 @@ class LLMEngine:
             if nodes is None:
                 proposal = self._propose(batch, ks, limits)
             else:
-                shape = replace(self.tree, row_cost=plan.row_cost if self.tree_planner.adaptive else 0.0,
-                                calibration=plan.calibration)
+                shape = self.tree
+                if self.tree_planner.adaptive:
+                    shape = replace(shape, row_costs=tuple(plan.row_costs), level_cost=plan.level_cost,
+                                    calibration=plan.calibration)
                 proposal = self.drafter.propose_tree(batch, ks, [depth[r.request_id] for r in batch], shape)
             pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap and nodes is None else None
             t_verify = time.perf_counter()
@@ -262,11 +266,12 @@ class LLMEngine:
         emitted = sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch))
         if self.speculative and forced_k is None:
             self.policy.step_done(emitted, step_s)
-        if plan is not None:
-            n = len(batch)
+        if self.tree_planner is not None and forced_k is None:
+            n, drafted = len(batch), sum(proposal.num_draft_tokens)
             self.tree_planner.observe(sum(proposal.expected_accepted or [0.0]), sum(result.num_accepted), emitted,
-                                      step_s, self.costs.ar_step_time(n, vb.num_context_tokens, n), n,
-                                      drafted=nodes is not None)
+                                      step_s, step_s - proposal.cost.seconds, vb.num_query_tokens,
+                                      self.costs.ar_step_time(n, vb.num_context_tokens, n), n,
+                                      drafted=nodes is not None, fed_context=vb.num_query_tokens > n + drafted)
         record_samples(self.costs, self.metrics, samples, vb, proposal, total_s, self.speculative)
         return [r.output(*before[i]) for i, r in enumerate(batch)]
 
@@ -326,7 +331,7 @@ class LLMEngine:
             return None
         self.costs.refit()
         n, context = len(batch), sum(r.context_len for r in batch)
-        return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth)
+        return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth, self.spec.max_tree_nodes)
 
     def _tree_nodes(self, batch: list[Request], ks: list[int], forced_k: int | None) -> list[int] | None:
         """A tree step's node budget per request (0: no drafts), or None: this step drafts chains
@@ -337,8 +342,12 @@ class LLMEngine:
         if any(r.params.has_logit_controls or r.params.logprobs is not None or r.params.prompt_logprobs is not None
                for r in batch):
             return None
-        return [min(self.spec.max_tree_nodes, self.max_model_len - r.context_len) if k > 0 else 0
-                for r, k in zip(batch, ks)]
+        # the nodes stay inside the attention tile of the first (slots context_len ..): every node's
+        # visible keys then fall into the tiles decoding its path would use, so it verifies with the
+        # same bits (greedy output stays token-identical in every dtype)
+        tile = self._tile_keys
+        return [min(self.spec.max_tree_nodes, self.max_model_len - r.context_len, tile - r.context_len % tile)
+                if k > 0 else 0 for r, k in zip(batch, ks)]
 
     def _reserve(self, batch: list[Request], ks: list[int]):
         kept, kept_k, preempted, failed = self.scheduler.reserve(batch, ks)

@@ -72,7 +72,9 @@ def pair_for_tests(tmp_path_factory, accept_head: bool = False) -> tuple[Path, P
 
 
 class LLMCache:
-    """``llm(pair, draft, **spec)``: one specrt.LLM per (draft, spec) over a pair, built once.
+    """``llm(pair, draft, **spec)``: one specrt.LLM per (draft, spec) over a pair, built once; a
+    tree-growing engine drafts its whole budget every step (tree="fixed") unless the test names
+    a tree mode (the planner of tree="dynamic", the default, may switch a poor pair's drafting off).
     draft "model" is the pair's draft, "target" the target itself, "none" no draft; any other
     value ("ngram", "self:1", a folder) goes to the LLM as is."""
 
@@ -83,6 +85,8 @@ class LLMCache:
         import specrt
         from specrt import SpecConfig
 
+        if spec.get("policy", "fixed") in ("fixed", "auto") and not spec.get("overlap") and "tree" not in spec:
+            spec = {**spec, "tree": "fixed"}   # tree steps always draft: identity tests are never vacuous
         key = (draft, tuple(sorted(spec.items())))
         if key not in self._llms:
             tdir, ddir = pair

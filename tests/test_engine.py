@@ -107,7 +107,8 @@ def test_requests_sharing_a_lagging_prefix_catch_up_together(pair, ar_greedy):
     those blocks in the same forward (the same slots, the same tokens). That must write each
     slot once, decode the autoregressive tokens, and never fail with a duplicate slot."""
     tdir, ddir = pair
-    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4), seed=0)
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="fixed"),
+                        seed=0)
     eng = llm_.engine
     plan = eng.policy.plan
     eng.policy.plan = lambda reqs, caps, costs=None, catchup=None: [0] * len(reqs)   # speculation off
@@ -456,7 +457,7 @@ def test_metrics_and_prometheus(pair):
     assert set(snap["by_tag"]) >= {"code", "chat"}
     tot = snap["total"]
     assert 0 <= tot["draft_hit_rate"] <= 1 and tot["tokens_per_target_forward"] >= 1
-    assert len(tot["acceptance_rate_per_position"]) == 4
+    assert len(tot["acceptance_rate_per_position"]) == 4     # a tree's depths (max_draft_length)
     text = eng.engine.metrics.prometheus()
     assert 'specrt_draft_tokens_total{tag="code",length_bucket="0-256"}' in text
     steps = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -188,31 +188,49 @@ def test_node_count_follows_the_row_cost():
     c = _Candidates()
     c.add(-1, 1, 0.0, [1, 2, 3, 4], list(np.log([0.6, 0.2, 0.1, 0.05])))
     c.add(0, 2, c.scores[0], [5, 6], list(np.log([0.7, 0.2])))
-    sizes = [len(c.select(6, row_cost)[0]) for row_cost in (0.0, 0.05, 0.2, 0.5, 2.0)]
-    assert sizes[0] == 6 and sizes == sorted(sizes, reverse=True) and sizes[-1] == 0
-    toks, parents, expected = c.select(2, 0.0)
+    sizes = [len(c.select(6, TreeShape(4, row_costs=(rc,) * 6))[0]) for rc in (0.0, 0.05, 0.2, 0.5, 2.0)]
+    assert len(c.select(6)[0]) == 6 and sizes == sorted(sizes, reverse=True) and sizes[-1] == 0
+    # rows that get dearer (a compute-bound verify) stop the tree earlier than their first price says
+    assert len(c.select(6, TreeShape(4, row_costs=(0.05, 0.05, 2.0, 2.0, 2.0, 2.0)))[0]) == 2
+    toks, parents, expected = c.select(2)
     assert toks == [1, 5] and parents == [-1, 0] and expected == pytest.approx(0.6 + 0.42)
 
 
-def test_planner_switches_off_and_retries():
-    from specrt.policy.tree import OFF_BELOW, PROBE_EVERY, RETRY_EVERY, TreePlanner
+def test_verify_curve_interpolates():
+    from specrt.policy.tree import VerifyCurve
+
+    v = VerifyCurve()
+    assert v.at(3) is None
+    v.add(1, 1.0)
+    v.add(5, 3.0)
+    assert v.at(1) == 1.0 and v.at(3) == pytest.approx(2.0) and v.at(9) == pytest.approx(5.0)
+    v.add(9, 3.0)                        # a flat stretch: rows there cost nothing more
+    assert v.at(7) == pytest.approx(3.0) and v.at(12) == pytest.approx(3.0)
+
+
+def _observe(p, ratio: float, n: int = 1) -> None:
+    for _ in range(n):                   # a tree step at ``ratio`` times the plain speed
+        p.observe(1.0, 1, 1, step_s=0.1 / ratio, verify_s=0.05, rows=3, plain_s=0.1, batch_size=1,
+                  drafted=True, fed_context=False)
+
+
+def test_planner_switches_off_and_tries_again():
+    from specrt.policy import CostModel
+    from specrt.policy.tree import OFF_BELOW, OFF_STEPS, PROBE_EVERY, TRIAL_STEPS, TreePlanner
 
     p = TreePlanner()
-    assert p.plan(None, 1, 1, 10, 4).draft
-    for _ in range(40):                  # tree steps at half the plain speed: drafting goes off
-        p.observe(1.0, 1, 1, step_s=0.2, plain_s=0.1, batch_size=1, drafted=True)
+    assert p.plan(None, 1, 1, 10, 4, 8).draft
+    _observe(p, 0.5, 80)                 # trees at half the plain speed: drafting goes off
     assert p.speedup < OFF_BELOW and not p.on
-    decisions = [p.plan(None, 1, 1, 10, 4).draft for _ in range(3 * RETRY_EVERY)]
-    assert 1 <= sum(decisions) <= 4      # a retry every RETRY_EVERY steps
-    for _ in range(60):                  # trees at 1.5x: back on
-        p.observe(1.0, 1, 3, step_s=0.2, plain_s=0.1, batch_size=1, drafted=True)
+    drafts = [p.plan(None, 1, 1, 10, 4, 8).draft for _ in range(OFF_STEPS + TRIAL_STEPS)]
+    assert not any(drafts[:OFF_STEPS - 1]) and all(drafts[OFF_STEPS:])   # off, then a trial
+    _observe(p, 1.5, TRIAL_STEPS)        # the trial pays: back on
     assert p.on and p.calibration == pytest.approx(1.0)
-    from specrt.policy import CostModel
-    plain = sum(not p.plan(CostModel(), 1, 1, 10, 4).draft for _ in range(2 * PROBE_EVERY))
+    plain = sum(not p.plan(CostModel(), 1, 1, 10, 4, 8).draft for _ in range(2 * PROBE_EVERY))
     assert plain >= 2                    # plain probes keep the autoregressive time measured
     fixed = TreePlanner(adaptive=False)
     fixed.on = False
-    assert all(fixed.plan(None, 1, 1, 10, 4).draft for _ in range(100))
+    assert all(fixed.plan(None, 1, 1, 10, 4, 8).draft for _ in range(100))
 
 
 def test_dynamic_trees_keep_greedy_and_coupled(pair, ar_greedy):

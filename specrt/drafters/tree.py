@@ -41,8 +41,19 @@ class TreeShape:
     max_depth: int            # longest path (draft forwards per step)
     branching: int = 4        # children considered per expanded node (its draft's top tokens)
     beam: int = 4             # nodes expanded per depth (the best by path score)
-    row_cost: float = 0.0     # one verify row's time over the step's per request (0: fill the budget)
+    row_costs: tuple[float, ...] = ()   # [n] the n+1-th node's verify row over the step's time per
+                                         # request (empty: rows are free, fill the budget)
+    level_cost: float = 0.0   # one more draft level's time over the step's (0: grow to max_depth)
     calibration: float = 1.0  # accepted nodes per predicted node (specrt.policy.tree)
+
+    def row_cost(self, n: int) -> float:
+        """The price of a request's (n+1)-th node."""
+        return self.row_costs[min(n, len(self.row_costs) - 1)] if self.row_costs else 0.0
+
+    def worth_growing(self, best_score: float, nodes: int) -> bool:
+        """Whether a request with ``nodes`` candidates whose best newest one has path log-probability
+        ``best_score`` grows another level: its expected acceptance must repay the level and a row."""
+        return self.calibration * math.exp(best_score) > self.level_cost + self.row_cost(nodes)
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("max_depth", 1, MAX_TREE_NODES), ("branching", 1, 16), ("beam", 1, MAX_TREE_NODES)):
@@ -117,23 +128,32 @@ class _Candidates:
             self.depths.append(depth)
             self.slot.append(-1)
 
+    def best_at(self, depth: int) -> float:
+        """The best path score among the candidates of ``depth`` (-inf: none)."""
+        return max((sc for sc, d in zip(self.scores, self.depths) if d == depth), default=float("-inf"))
+
     def frontier(self, depth: int, beam: int, room: int) -> list[int]:
         """The best ``min(beam, room)`` candidates of ``depth`` (ties: the earlier)."""
         at = [i for i, d in enumerate(self.depths) if d == depth]
         at.sort(key=lambda i: (-self.scores[i], i))
         return sorted(at[:max(0, min(beam, room))])
 
-    def select(self, budget: int, row_cost: float = 0.0, calibration: float = 1.0) -> tuple[list[int], list[int], float]:
+    def select(self, budget: int, shape: "TreeShape | None" = None) -> tuple[list[int], list[int], float]:
         """The tree of the best candidates: (tokens, parents) in creation order and the nodes it
         expects accepted (the sum of their path probabilities). At most ``budget`` of them, as many
-        as maximise (1 + calibration * expected) / (1 + row_cost * N) (module docstring of
-        specrt.policy.tree)."""
+        as maximise (1 + calibration * expected) / (1 + the cost of their rows) (specrt.policy.tree);
+        all ``budget`` when rows are free (no shape, or no row costs)."""
         order = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:budget]
-        n, best, total, chosen = 0, 1.0, 0.0, 0.0
+        free = shape is None or not shape.row_costs
+        n, best, total, chosen, cost = 0, 1.0, 0.0, 0.0, 0.0
         for i, c in enumerate(order):
             total += math.exp(self.scores[c])
-            value = (1.0 + calibration * total) / (1.0 + row_cost * (i + 1))
-            if value > best or row_cost == 0.0:
+            if free:
+                n, chosen = i + 1, total
+                continue
+            cost += shape.row_cost(i)
+            value = (1.0 + shape.calibration * total) / (1.0 + cost)
+            if value > best:
                 n, best, chosen = i + 1, value, total
         keep = sorted(order[:n])
         index = {c: j for j, c in enumerate(keep)}
@@ -188,6 +208,7 @@ def draft_tree(drafter, batch, budgets: list[int], depths: list[int], shape: Tre
         used = {b: 0 for b in rows}                             # draft slots taken past the context
         for depth in range(1, shape.max_depth):
             level = [(b, c) for b in rows if depth < depths[b]
+                     and shape.worth_growing(cands[b].best_at(depth), len(cands[b].tokens))
                      for c in cands[b].frontier(depth, shape.beam, budgets[b] - used[b])]
             if not level:
                 break
@@ -220,8 +241,7 @@ def draft_tree(drafter, batch, budgets: list[int], depths: list[int], shape: Tre
     draft_ids = torch.full((B, N), -1, dtype=torch.int32)
     n_nodes, parents, expected = [0] * B, [[] for _ in range(B)], [0.0] * B
     for b in cands:
-        toks, par, expected[b] = cands[b].select(budgets[b], 0.0 if b in found else shape.row_cost,
-                                                 shape.calibration)
+        toks, par, expected[b] = cands[b].select(budgets[b], None if b in found else shape)
         draft_ids[b, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
         n_nodes[b], parents[b] = len(toks), par
     draft_cached = [batch[b].context_len if b in rows else cached[b] for b in range(B)]

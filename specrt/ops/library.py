@@ -50,6 +50,14 @@ def attention_cpu_isa(cap: int = -1) -> int:
     return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
 
 
+def attention_tile_keys() -> int:
+    """Keys per online-softmax update of the paged-attention kernels (csrc/include/specrt/attention.h,
+    kTileKeys): tiles sit at absolute key indices, so rows whose visible keys fall into the same
+    tiles in the same order get the same bits (a token tree inside one tile verifies exactly as
+    decoding its path would)."""
+    return int(torch.ops.specrt.attention_tile_keys())
+
+
 def linear_dynamic_isa() -> str:
     """The path quant_linear_dynamic runs on now: "avx512vnni", "avx2" or "scalar" (all the same bits)."""
     return str(torch.ops.specrt.linear_dynamic_isa())

@@ -2,37 +2,82 @@
 
 Size (EAGLE-2's budget, from measured costs). A node's chance of acceptance is taken as the
 product of the draft's probabilities on its path times a calibration factor, the ratio of
-accepted to predicted nodes over recent tree steps. A request keeps the N best nodes that
-maximise (1 + expected accepted) / (1 + row_cost * N), where ``row_cost`` is one more verify
-row's time over the step's time per request (the cost model's fit), so cheap rows make big
-trees and a compute-bound verify small ones.
+accepted to predicted nodes over recent tree steps. Each verify row has a price: the measured
+verify time as a function of the rows a step feeds (``VerifyCurve``, an average per row count,
+interpolated between counts), so the n-th extra row costs what the curve says it adds, not an
+average slope: on a CPU the first few rows are nearly free and later ones are not. A request
+keeps the N best nodes that maximise (1 + expected accepted) / (1 + cost of N rows), costs
+relative to the step's time per request. A tree grows a level deeper only for requests whose
+best newest node's calibrated probability repays a draft level and a verify row.
 
 On/off. Drafting must beat plain decoding: every tree step's speed is compared with the cost
-model's autoregressive step time for the same batch (an average of the ratios). Below
-``OFF_BELOW`` the planner stops drafting and tries a tree step again every ``RETRY_EVERY``
-steps; every ``PROBE_EVERY`` steps it runs ``PROBE_STEPS`` plain steps, so the autoregressive
-time stays measured on this machine as it is now.
+model's autoregressive step time for the same batch (or, before it has one, the verify curve's
+time of a step of as many rows as requests; a running average of the ratios). Below
+``OFF_BELOW`` drafting stops for ``OFF_STEPS`` steps, then drafts for ``TRIAL_STEPS`` steps and
+stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
+pays the draft's catch-up over everything decoded while it was off). Every ``PROBE_EVERY`` steps
+``PROBE_STEPS`` plain steps keep the autoregressive time measured on this machine as it is now.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PROBE_EVERY = 64          # steps between plain probes
 PROBE_STEPS = 2           # a steady plain sample needs a plain step before it
-RETRY_EVERY = 16          # steps between tree steps while drafting is off
-OFF_BELOW = 0.98          # average speedup under which drafting switches off ...
-ON_ABOVE = 1.02           # ... and over which it switches back on
-AVERAGE = 0.1             # weight of the newest step in the running averages
-PRIOR_ROW_COST = 0.05     # one verify row / one step, before the cost model has a fit
+OFF_STEPS = 48            # plain steps before a trial while drafting is off
+TRIAL_STEPS = 16          # tree steps a trial averages
+OFF_BELOW = 0.97          # running speedup under which drafting switches off ...
+ON_ABOVE = 1.02           # ... and the trial average over which it switches back on
+AVERAGE = 0.1             # weight of the newest step in the calibration and verify-curve averages
+SPEED_AVERAGE = 0.03      # ... in the speedup's (one step's ratio swings with its acceptance: slower)
+PRIOR_ROW_COST = 0.05     # one verify row / one step, before anything was measured
+MAX_ROWS = 512            # row counts the verify curve keeps
 
 
 @dataclass
 class TreeStep:
     """What the planner decided for one step."""
 
-    draft: bool               # grow trees this step (else a plain step)
-    row_cost: float           # one verify row's time over the step's time per request
-    calibration: float        # accepted nodes per predicted node
+    draft: bool                # grow trees this step (else a plain step)
+    row_costs: list[float]     # [n] cost of the n+1-th extra row over the step's time per request
+    level_cost: float          # one more draft level's time over the step's
+    calibration: float         # accepted nodes per predicted node
+
+    @property
+    def row_cost(self) -> float:
+        """The first extra row's cost (the whole price of a one-node tree)."""
+        return self.row_costs[0] if self.row_costs else PRIOR_ROW_COST
+
+
+@dataclass
+class VerifyCurve:
+    """Seconds of a step besides drafting, by the rows it fed (decode and tree steps, no prefill)."""
+
+    seconds: dict[int, float] = field(default_factory=dict)   # rows -> running average
+
+    def add(self, rows: int, seconds: float) -> None:
+        if 1 <= rows <= MAX_ROWS:
+            old = self.seconds.get(rows)
+            self.seconds[rows] = seconds if old is None else old + AVERAGE * (seconds - old)
+
+    def at(self, rows: int) -> float | None:
+        """The time of ``rows`` rows: measured, linear between the nearest measured counts, or along
+        the last measured slope past them (flat before the first); None until two counts are known."""
+        known = sorted(self.seconds)
+        if len(known) < 2:
+            return None
+        if rows in self.seconds:
+            return self.seconds[rows]
+        lo = max((k for k in known if k < rows), default=None)
+        hi = min((k for k in known if k > rows), default=None)
+        if lo is None:
+            return self.seconds[hi]
+        if hi is None:
+            a, b = known[-2], known[-1]
+            slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
+            return self.seconds[b] + slope * (rows - b)
+        w = (rows - lo) / (hi - lo)
+        return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
 
 
 class TreePlanner:
@@ -43,57 +88,78 @@ class TreePlanner:
         self.calibration = 1.0
         self.speedup = 1.0                # running average of tree steps' speed over plain steps'
         self.on = True
+        self.curve = VerifyCurve()
         self._since_probe = 0
         self._probe_left = 0
-        self._since_tree = 0
+        self._off_left = 0                # plain steps left before the next trial
+        self._trial: list[float] | None = None   # a trial's step ratios so far (None: no trial)
 
-    def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int) -> TreeStep:
+    def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int, max_nodes: int) -> TreeStep:
         """``tokens`` / ``context``: what a plain step over the batch would feed and attend."""
-        return TreeStep(self._draft_now(costs, batch_size, tokens, context), self._row_cost(
-            costs, batch_size, tokens, context, depth), self.calibration)
+        rows, level = self._costs(costs, batch_size, tokens, context, depth, max_nodes)
+        return TreeStep(self._draft_now(costs), rows, level, self.calibration)
 
-    def _draft_now(self, costs, batch_size: int, tokens: int, context: int) -> bool:
+    def _draft_now(self, costs) -> bool:
         if not self.adaptive:
             return True
         self._since_probe += 1
-        if self._probe_left > 0 or (self._since_probe >= PROBE_EVERY and costs is not None):
+        if self._probe_left > 0 or (self._since_probe >= PROBE_EVERY and costs is not None and self.on):
             if self._probe_left == 0:
                 self._probe_left = PROBE_STEPS
             self._probe_left -= 1
             self._since_probe = 0
             return False
-        if self.on:
+        if self.on or self._trial is not None:
             return True
-        self._since_tree += 1
-        if self._since_tree < RETRY_EVERY:
-            return False
-        self._since_tree = 0
-        return True
+        self._off_left -= 1
+        if self._off_left <= 0:
+            self._trial = []
+        return self._trial is not None
 
-    @staticmethod
-    def _row_cost(costs, batch_size: int, tokens: int, context: int, depth: int) -> float:
-        """One verify row over the step's time per request (the verify fit's per-token slope over
-        a drafted step's verify plus drafting time, shared by the batch)."""
+    def _costs(self, costs, batch_size: int, tokens: int, context: int, depth: int,
+               max_nodes: int) -> tuple[list[float], float]:
+        """(the cost of each extra row over the step's time per request, one draft level's time over
+        the step's): the verify curve's increments (the cost model's per-token slope until the curve
+        has two row counts) against a drafted step's verify plus drafting time."""
         if costs is None or not costs.has_verify_fit:
-            return PRIOR_ROW_COST
-        slope = float(costs.verify_coef[1])
+            return [PRIOR_ROW_COST] * max_nodes, 0.0
         step = costs.verify_time(tokens, context, drafted=True, requests=batch_size)
-        step += costs.draft_time(depth, tokens, context)
-        return max(slope, 0.0) * batch_size / max(step, 1e-9)
+        step = max(step + costs.draft_time(depth, tokens, context), 1e-9)
+        level = costs.draft_coefs(batch_size, context)[0] if costs.has_draft_fit else 0.0
+        base = self.curve.at(batch_size)
+        if base is None:
+            slope = max(float(costs.verify_coef[1]), 0.0)
+            rows = [slope] * max_nodes
+        else:
+            rows = [max(self.curve.at(batch_size + n + 1) - self.curve.at(batch_size + n), 0.0)
+                    for n in range(max_nodes)]
+        return [r * batch_size / step for r in rows], level / step
 
-    def observe(self, predicted: float, accepted: int, emitted: int, step_s: float, plain_s: float | None,
-                batch_size: int, drafted: bool) -> None:
+    def observe(self, predicted: float, accepted: int, emitted: int, step_s: float, verify_s: float, rows: int,
+                plain_s: float | None, batch_size: int, drafted: bool, fed_context: bool) -> None:
         """After a step: the nodes it predicted accepted and those that were (tree steps), the
-        tokens it emitted, its time, and the cost model's plain step time for its batch."""
+        tokens it emitted, its time and its time besides drafting over ``rows`` fed rows, and the
+        cost model's plain step time for its batch. ``fed_context``: it prefilled (no curve sample)."""
+        if not fed_context:
+            self.curve.add(rows, verify_s)
         if not drafted:
             return
         if predicted > 0:
             ratio = min(accepted / predicted, 4.0)
             self.calibration += AVERAGE * (ratio - self.calibration)
+        if plain_s is None:              # no steady plain fit yet: the curve's step of as many rows
+            plain_s = self.curve.at(batch_size)
         if plain_s is None or step_s <= 0:
             return
-        self.speedup += AVERAGE * (emitted * plain_s / (batch_size * step_s) - self.speedup)
+        ratio = emitted * plain_s / (batch_size * step_s)
+        if self._trial is not None:
+            self._trial.append(ratio)
+            if len(self._trial) >= TRIAL_STEPS:
+                mean = sum(self._trial) / len(self._trial)
+                self._trial = None
+                self.on, self.speedup = mean > ON_ABOVE, mean
+                self._off_left = 0 if self.on else OFF_STEPS
+            return
+        self.speedup += SPEED_AVERAGE * (ratio - self.speedup)
         if self.on and self.speedup < OFF_BELOW:
-            self.on = False
-        elif not self.on and self.speedup > ON_ABOVE:
-            self.on = True
+            self.on, self._off_left = False, OFF_STEPS

@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="long contexts: the draft attends to its first --draft-kv-sinks tokens plus the last N "
                         "(0: the whole context); the output stays exact")
     p.add_argument("--draft-kv-sinks", type=int, default=4)
+    p.add_argument("--tree", default="auto", choices=["auto", "dynamic", "fixed", "chain"],
+                   help="token trees: dynamic (sized per step by measured costs, off where they do not pay), "
+                        "fixed (always --max-tree-nodes), chain; auto: dynamic where the drafter grows trees "
+                        "(docs/trees.md)")
+    p.add_argument("--max-tree-nodes", type=int, default=12, help="tree nodes per request and step (1..63)")
+    p.add_argument("--tree-branching", type=int, default=4, help="children considered per expanded node")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV-cache budget: bytes ('2GiB', '512MB', '1000000') or a fraction of free device "
                         "memory ('0.5'); the log and /v1/models report how many tokens fit")
@@ -124,7 +130,8 @@ def engine_kwargs(args) -> dict:
                       adaptive_enabled=args.adaptive, policy=args.draft_policy, acceptance=args.acceptance,
                       overlap=args.overlap, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
                       admission=args.admission, draft_kv_window=args.draft_kv_window,
-                      draft_kv_sinks=args.draft_kv_sinks,
+                      draft_kv_sinks=args.draft_kv_sinks, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
+                      tree_branching=args.tree_branching,
                       **({} if args.kv_cache_memory is None else
                          {"kv_cache_budget": parse_memory(args.kv_cache_memory, "--kv-cache-memory")}))
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
