@@ -242,8 +242,7 @@ class LLMEngine:
                 self.drafter.mark_verify()
             logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
                                          logits_indices=vb.logits_indices, all_hidden=self._wants_hidden)  # [R, V]
-            verified = accept(vb, logits, self.spec.acceptance if self.speculative else None,
-                              self.eos_token_ids)                                               # [B, K+1], [B]
+            verified = accept(vb, logits, self._acceptance(), self.eos_token_ids)              # [B, K+1], [B]
             if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
                 if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order
                     hidden = hidden.index_select(0, path_rows(vb, verified.accepted_nodes, hidden.shape[0]))
@@ -325,9 +324,27 @@ class LLMEngine:
             return None
         return TreeShape(spec.max_draft_length, spec.tree_branching, spec.tree_branching)
 
+    def _acceptance(self) -> str | None:
+        """How the engine verifies sampled requests (None: no drafter). An engine whose tree planner
+        decides the steps (tree sizes, plain steps) uses the coupled rule on every step: tree drafts
+        are one-hot, so it accepts exactly as often as rejection, and a seeded request's tokens then
+        equal plain sampling with its seed, whatever the planner chose (docs/trees.md)."""
+        if not self.speculative:
+            return None
+        if self.tree_planner is not None and self.tree_planner.adaptive:
+            return "coupled"
+        return self.spec.acceptance
+
+    @staticmethod
+    def _trees_allowed(batch: list[Request]) -> bool:
+        """No request reads each verified row as a chain position (logit controls, log-probabilities)."""
+        return not any(r.params.has_logit_controls or r.params.logprobs is not None
+                       or r.params.prompt_logprobs is not None for r in batch)
+
     def _tree_plan(self, batch: list[Request], ks: list[int], forced_k: int | None) -> TreeStep | None:
-        """The tree planner's decision (draft or not, the row cost) for a step that may grow trees."""
-        if self.tree_planner is None or forced_k is not None or not any(ks):
+        """The tree planner's decision (draft or not, the row costs) for a step that may grow trees
+        (None otherwise: a chain step keeps the policy's K, whatever the planner has seen)."""
+        if self.tree_planner is None or forced_k is not None or not any(ks) or not self._trees_allowed(batch):
             return None
         self.costs.refit()
         n, context = len(batch), sum(r.context_len for r in batch)
@@ -337,10 +354,7 @@ class LLMEngine:
         """A tree step's node budget per request (0: no drafts), or None: this step drafts chains
         (no trees, calibration, or a request whose logit controls / log-probabilities read each
         verified row as the chain's position)."""
-        if self.tree is None or forced_k is not None or not any(ks):
-            return None
-        if any(r.params.has_logit_controls or r.params.logprobs is not None or r.params.prompt_logprobs is not None
-               for r in batch):
+        if self.tree is None or forced_k is not None or not any(ks) or not self._trees_allowed(batch):
             return None
         # the nodes stay inside the attention tile of the first (slots context_len ..): every node's
         # visible keys then fall into the tiles decoding its path would use, so it verifies with the

@@ -238,3 +238,16 @@ def test_dynamic_trees_keep_greedy_and_coupled(pair, ar_greedy):
     assert eng.engine.tree_planner.adaptive
     for _ in range(3):                   # long enough for the planner to size, probe and switch
         assert tokens(eng.generate(PROMPTS, GREEDY)) == ar_greedy
+
+
+def test_planner_sized_trees_sample_what_plain_sampling_samples(pair):
+    """Under the default acceptance ("rejection") a planner-sized tree verifies sampled requests
+    with the coupled rule: a seeded request's tokens equal plain sampling with its seed, whatever
+    sizes the planner picked (and so again on a second run of a changed planner)."""
+    params = [SamplingParams(temperature=0.9, top_k=30, max_tokens=20, ignore_eos=True, seed=300 + i)
+              for i in range(len(PROMPTS))]
+    ar = tokens(llm(pair, "none").generate(PROMPTS, params))
+    eng = llm(pair, "model", tree="dynamic", max_tree_nodes=10, max_draft_length=4)
+    assert eng.engine.spec.acceptance == "rejection"
+    for _ in range(2):
+        assert tokens(eng.generate(PROMPTS, params)) == ar
