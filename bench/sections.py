@@ -75,8 +75,8 @@ def section_categories(ctx: BenchContext, costs: dict) -> dict:
 def section_k_sweep(ctx: BenchContext) -> dict:
     d = ctx.drafters[ctx.main_drafter]
     modes = {"ar": (ctx.llm(None), ctx.params())}
-    for k in ctx.s.ks:
-        modes[f"fixed_K{k}"] = (ctx.llm(d, max_draft_length=k), ctx.params())
+    for k in ctx.s.ks:   # chains of K tokens: the default's planner-sized trees are section_categories'
+        modes[f"fixed_K{k}"] = (ctx.llm(d, max_draft_length=k, tree="chain"), ctx.params())
     skipped = {}
     for pol in ("confidence", "head", "budget"):
         try:

@@ -194,8 +194,8 @@ def test_the_distribution_test_has_power(pair, monkeypatch):
     ar = _samples(llm(pair, "none", max_batch_size=256), seed0=10_000_000, n=4 * N, controls=penalties)
     _forget_drafts_in_verify(monkeypatch)
     tdir, ddir = pair
-    eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_batch_size=256, max_draft_length=4),
-                     seed=0)
+    eng = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_batch_size=256, max_draft_length=4,
+                                                                          tree="chain"), seed=0)   # drafts every step
     sp = _samples(eng, seed0=50_000_000, n=4 * N, controls=penalties)
     for c in penalties:
         worst = min(_distribution_pvalues(ar[c], sp[c]).values())

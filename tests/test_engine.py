@@ -284,13 +284,19 @@ def test_coupled_any_k_and_overlap(pair, ar_sampled, k):
 
 
 def test_rejection_batch_invariance_and_overlap(pair):
-    """Under rejection sampling tokens may depend on K, but not on batch neighbours, slot or overlap."""
-    eng = llm(pair, "model", max_draft_length=3)
+    """Under rejection sampling tokens may depend on K and the tree's shape, but not on batch
+    neighbours, slot or overlap (overlap drafts chains: the comparison is chain against chain)."""
+    eng = llm(pair, "model", max_draft_length=3, tree="chain")
     full = tokens(eng.generate(PROMPTS, SAMPLED))
     for i in (0, 4, 7):
         assert tokens(eng.generate([PROMPTS[i]], [SAMPLED[i]])) == [full[i]]
     assert tokens(eng.generate(PROMPTS[::-1], SAMPLED[::-1])) == full[::-1]
-    assert tokens(llm(pair, "model", max_draft_length=3, overlap=True).generate(PROMPTS, SAMPLED)) == full
+    assert tokens(llm(pair, "model", max_draft_length=3, overlap=True, tree="chain").generate(PROMPTS, SAMPLED)) == full
+    trees = llm(pair, "model", max_draft_length=3)          # fixed trees: the same per-request shapes
+    tree_full = tokens(trees.generate(PROMPTS, SAMPLED))
+    for i in (0, 4, 7):
+        assert tokens(trees.generate([PROMPTS[i]], [SAMPLED[i]])) == [tree_full[i]]
+    assert tokens(trees.generate(PROMPTS[::-1], SAMPLED[::-1])) == tree_full[::-1]
     # continuous batching: requests joining mid-run do not change anyone's tokens
     e = eng.engine
     rid0 = e.add_request(PROMPTS[0], SAMPLED[0])

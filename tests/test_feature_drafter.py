@@ -217,9 +217,13 @@ def test_each_proposal_reads_the_true_features_then_its_own(fdir):
 def test_features_are_trimmed_to_the_lag(fdir):
     """After every commit a request keeps only the verified features the next catch-up reads
     (positions draft_cached-1 .. target_cached-1): memory bounded by the lag, not the context."""
+    for tree in ("fixed", "chain"):    # drafting every step (the planner may pause it, and the lag with it)
+        _check_lag_bound(llm(fdir, max_draft_length=3, tree=tree).engine)
+
+
+def _check_lag_bound(eng) -> None:
     from specrt.drafters.feature import TargetFeatures
 
-    eng = llm(fdir, max_draft_length=3).engine
     lags = []
     for r_id in [eng.add_request(CODE[1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]:
         while eng.has_unfinished():

@@ -91,7 +91,7 @@ def test_windowed_draft_keeps_the_output_exact(pair, draft):
     want_g, want_s = ar.generate(LONG, greedy), ar.generate(LONG, sampled)
     attended = {}
     for window in (0, 32):
-        spec = dict(max_draft_length=3, draft_kv_window=window, draft_kv_sinks=4)
+        spec = dict(max_draft_length=3, draft_kv_window=window, draft_kv_sinks=4, tree="chain")   # 3 rows a phase
         llm = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
         assert [o.token_ids for o in llm.generate(LONG, greedy)] == [o.token_ids for o in want_g]
         coupled = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(acceptance="coupled", **spec), seed=0)
@@ -100,6 +100,8 @@ def test_windowed_draft_keeps_the_output_exact(pair, draft):
         steady = [att / fed for depth, fed, att, _ in llm.engine.costs.draft_samples if fed == depth * 3]
         assert steady
         attended[window] = max(steady)
+        trees = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**{**spec, "tree": "fixed"}), seed=0)
+        assert [o.token_ids for o in trees.generate(LONG, greedy)] == [o.token_ids for o in want_g]
         if window:
             assert llm.engine.drafter.settings.kv_window == specrt.attention.KVWindow(4, 32)
     # the window bounds what a row attends (the sink block, the recent window, two partial blocks)
