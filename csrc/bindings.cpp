@@ -584,6 +584,7 @@ TORCH_LIBRARY_IMPL(specrt, Autograd, m) {
 
 namespace specrt {
 void bind_layer_stack(pybind11::module_& m);  // csrc/layer_stack.cpp
+void bind_suffix_index(pybind11::module_& m);  // csrc/suffix_index.cpp
 }  // namespace specrt
 
 // Not tensor ops: build facts, the Philox known-answer hook and the CPU layer stack. Importing
@@ -594,4 +595,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("philox4x32_10", &specrt::philox, py::arg("counter"), py::arg("key"));
   m.def("cuda_built", &specrt::cuda_built);
   specrt::bind_layer_stack(m);
+  specrt::bind_suffix_index(m);
 }

@@ -35,6 +35,11 @@ def layer_stack_class():
     return _C.LayerStack
 
 
+def suffix_index_class():
+    """``specrt._C.SuffixIndex``: the suffix index of suffix drafting (semantics: specrt/drafters/suffix_ref.py)."""
+    return _C.SuffixIndex
+
+
 def philox4x32_10_words(counter: list[int], key: list[int]) -> list[int]:
     """The extension's Philox4x32-10 on 32-bit words (ops.philox4x32_10 checks the arguments)."""
     return list(_C.philox4x32_10(counter, key))
