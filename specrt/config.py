@@ -302,10 +302,14 @@ class SpecConfig:
     max_tree_nodes: int = DEFAULT_TREE_NODES
     tree_branching: int = DEFAULT_TREE_BRANCHING
     extra: dict = field(default_factory=dict)
+    # whether max_draft_length was named (else the policy's default, which a drafter may replace:
+    # suffix drafting's chains run longer)
+    draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._resolve_policy()
         d = DEFAULTS[self.policy]
+        self.draft_length_named = self.max_draft_length is not None
         if self.max_draft_length is None:
             self.max_draft_length = d["max_draft_length"]
         _check_int("max_draft_length", self.max_draft_length, 0, MAX_DRAFT_LENGTH)

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "builtin: the bundled toy pair")
     p.add_argument("--target", default=None, help="override the pair's target")
     p.add_argument("--draft", action="append", default=None,
-                   help="drafter(s) to compare: a model folder or name, 'builtin', 'ngram', 'self:N' or MODEL+ngram "
+                   help="drafter(s) to compare: a model folder or name, 'builtin', 'ngram', 'suffix', 'self:N' or MODEL+ngram "
                         "(repeatable; default: the pair's draft and ngram)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "auto"],
                    help="engine dtype (default: the pair's: float32 for builtin, bfloat16 for smollm2 on a CPU)")

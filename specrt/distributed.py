@@ -328,14 +328,16 @@ class TPEngine:
                 p.join(5)
 
     # ------------------------------------------------------------------ LLMEngine interface
-    def add_request(self, prompt, params=None, request_id: str | None = None, tag: str = "default") -> str:
-        return self.add_requests([prompt], [params], [tag], [request_id])[0]
+    def add_request(self, prompt, params=None, request_id: str | None = None, tag: str = "default",
+                    tenant: str | None = None) -> str:
+        return self.add_requests([prompt], [params], [tag], [request_id], [tenant])[0]
 
-    def add_requests(self, prompts, params, tags=None, request_ids=None) -> list[str]:
-        """LLMEngine.add_requests: all validated on rank 0 before any is queued, then replayed."""
+    def add_requests(self, prompts, params, tags=None, request_ids=None, tenants=None) -> list[str]:
+        """LLMEngine.add_requests: all validated on rank 0 before any is queued, then replayed
+        (the tenant only matters to rank 0's drafter)."""
         with self._lock:
             self._check()
-            rids = self._engine.add_requests(prompts, params, tags, request_ids)
+            rids = self._engine.add_requests(prompts, params, tags, request_ids, tenants)
             for rid in rids:
                 req = self._engine.scheduler.requests[rid]
                 self._ops.append(("add", req.prompt if req.prompt is not None else req.prompt_token_ids,

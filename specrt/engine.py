@@ -46,6 +46,7 @@ from specrt.verify import accept, build_verify_batch, feeds_context, path_rows, 
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
+SYNTHETIC_TAGS = ("warmup", "calibration")   # warm-up and calibration requests: drafters learn nothing from them
 
 
 class LLMEngine:
@@ -89,6 +90,9 @@ class LLMEngine:
             use_int8_activations(getattr(self.drafter, "model", None))  # a quantized draft model's layers too
         if self.drafter is not None and wrap_drafter is not None:
             self.drafter = wrap_drafter(self.drafter)
+        length = getattr(self.drafter, "default_draft_length", None)
+        if length is not None and not self.spec.draft_length_named:
+            self.spec = replace(self.spec, max_draft_length=length)   # the drafter's own default K
         self._wants_hidden = bool(getattr(self.drafter, "wants_target_hidden", False))
         configs = {"target": self.target.config, **(self.drafter.cache_configs() if self.drafter else {})}
         self.max_model_len = min(c.max_model_len for c in configs.values())
@@ -107,6 +111,7 @@ class LLMEngine:
                 "kv_cache_tokens": self.kv_cache_tokens}
         self.metrics = EngineMetrics(health=health, labels={"model": target_path.name, "draft": self.draft_kind},
                                      info=info)
+        self.metrics.sources = self.drafter.source_stats if self.drafter is not None else None
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self.lock = threading.RLock()
@@ -145,15 +150,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, tag: str = "default") -> str:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
-        return self.add_requests([prompt], [params], [tag], [request_id])[0]
+                    request_id: str | None = None, tag: str = "default", tenant: str | None = None) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input. ``tenant``:
+        whose history suffix drafting may read when it is scoped (None: the shared one)."""
+        return self.add_requests([prompt], [params], [tag], [request_id], [tenant])[0]
 
     def add_requests(self, prompts: Sequence, params: Sequence[SamplingParams | None], tags: Sequence[str] | None = None,
-                     request_ids: Sequence[str | None] | None = None) -> list[str]:
+                     request_ids: Sequence[str | None] | None = None,
+                     tenants: Sequence[str | None] | None = None) -> list[str]:
         """Validate every request, then queue them all; ValueError (naming the request) and
         nothing queued if any is bad."""
-        reqs = self.intake.check(prompts, params, tags, request_ids, in_use=self.scheduler.requests)
+        reqs = self.intake.check(prompts, params, tags, request_ids, in_use=self.scheduler.requests, tenants=tenants)
         with self.lock:
             self.intake.assign(reqs)
             for r in reqs:
@@ -221,7 +228,7 @@ class LLMEngine:
             plan = self._tree_plan(batch, ks, forced_k)  # a tree engine's decision for this step
             if plan is not None and not plan.draft:
                 ks = [0] * len(batch)
-            nodes = self._tree_nodes(batch, ks, forced_k)   # a tree step's node budgets; None: chains
+            nodes = self._tree_nodes(batch, ks, forced_k, limits)   # a tree step's node budgets; None: chains
             depth = {r.request_id: k for r, k in zip(batch, ks)}
             batch, ks = self._reserve(batch, ks if nodes is None else nodes)   # slots: pending + drafts
             if not batch:
@@ -350,7 +357,7 @@ class LLMEngine:
         n, context = len(batch), sum(r.context_len for r in batch)
         return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth, self.spec.max_tree_nodes)
 
-    def _tree_nodes(self, batch: list[Request], ks: list[int], forced_k: int | None) -> list[int] | None:
+    def _tree_nodes(self, batch: list[Request], ks: list[int], forced_k: int | None, limits) -> list[int] | None:
         """A tree step's node budget per request (0: no drafts), or None: this step drafts chains
         (no trees, calibration, or a request whose logit controls / log-probabilities read each
         verified row as the chain's position)."""
@@ -358,10 +365,13 @@ class LLMEngine:
             return None
         # the nodes stay inside the attention tile of the first (slots context_len ..): every node's
         # visible keys then fall into the tiles decoding its path would use, so it verifies with the
-        # same bits (greedy output stays token-identical in every dtype)
-        tile = self._tile_keys
-        return [min(self.spec.max_tree_nodes, self.max_model_len - r.context_len, tile - r.context_len % tile)
-                if k > 0 else 0 for r, k in zip(batch, ks)]
+        # same bits (greedy output stays token-identical in every dtype). A proposal known to be one
+        # chain (limits.chains) verifies causally, as a chain step would: it keeps its length.
+        tile, chains = self._tile_keys, (limits.chains if limits is not None else {})
+        return [0 if k <= 0 else min(chains[r.request_id], self.max_model_len - r.context_len)
+                if r.request_id in chains else
+                min(self.spec.max_tree_nodes, self.max_model_len - r.context_len, tile - r.context_len % tile)
+                for r, k in zip(batch, ks)]
 
     def _reserve(self, batch: list[Request], ks: list[int]):
         kept, kept_k, preempted, failed = self.scheduler.reserve(batch, ks)
@@ -379,6 +389,8 @@ class LLMEngine:
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(r, reason, error)
+        if self.drafter is not None and r.tag not in SYNTHETIC_TAGS:
+            self.drafter.on_finish(r)
         if self.kv.has_request(r.request_id):
             self.kv.free(r.request_id)
         self.metrics.record_finish(reason, len(r.prompt_token_ids))

@@ -11,6 +11,8 @@ from specrt.config import SamplingParams
 from specrt.models import check_prompt_length
 from specrt.scheduler import Request
 
+MAX_TENANT_CHARS = 256
+
 
 def tokenize_prompt(prompt, tokenizer, vocab_size: int) -> tuple[list[int], str | None]:
     """(token ids, text or None) of a prompt given as text or as token ids. ValueError naming the
@@ -44,16 +46,21 @@ class RequestIntake:
         self._rng = random.Random(seed)       # seeds of unseeded requests
         self._ids = itertools.count()
 
-    def check(self, prompts, params, tags=None, request_ids=None, in_use=()) -> list[Request]:
+    def check(self, prompts, params, tags=None, request_ids=None, in_use=(), tenants=None) -> list[Request]:
         """One Request per prompt (seed and id still to assign); ValueError naming the first bad one."""
         n = len(prompts)
-        tags, request_ids = tags or ["default"] * n, request_ids or [None] * n
-        if not len(params) == len(tags) == len(request_ids) == n:
-            raise ValueError(f"got {n} prompts, {len(params)} params, {len(tags)} tags, {len(request_ids)} request ids")
+        tags, request_ids, tenants = tags or ["default"] * n, request_ids or [None] * n, tenants or [None] * n
+        if not len(params) == len(tags) == len(request_ids) == len(tenants) == n:
+            raise ValueError(f"got {n} prompts, {len(params)} params, {len(tags)} tags, {len(request_ids)} request ids, "
+                             f"{len(tenants)} tenants")
         out = []
-        for i, (prompt, p, rid, tag) in enumerate(zip(prompts, params, request_ids, tags)):
+        for i, (prompt, p, rid, tag, tenant) in enumerate(zip(prompts, params, request_ids, tags, tenants)):
             try:
+                if tenant is not None and (not isinstance(tenant, str) or len(tenant) > MAX_TENANT_CHARS):
+                    raise ValueError(f"tenant must be a string of at most {MAX_TENANT_CHARS} characters or None, "
+                                     f"got {tenant!r:.40}")
                 out.append(self._check_one(prompt, p if p is not None else SamplingParams(), rid, tag, in_use))
+                out[-1].tenant = tenant
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}" if n > 1 else str(e)) from None
         return out

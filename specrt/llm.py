@@ -41,7 +41,7 @@ class LLM:
         llm.engine, llm.tokenizer = engine, engine.tokenizer
         return llm
 
-    def _add_all(self, prompts, params, tags) -> list[str]:
+    def _add_all(self, prompts, params, tags, tenants=None) -> list[str]:
         """Queue every prompt, or none (ValueError) if any request is bad."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -51,12 +51,14 @@ class LLM:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        return self.engine.add_requests(list(prompts), list(params), list(tags) if tags else None)
+        return self.engine.add_requests(list(prompts), list(params), list(tags) if tags else None,
+                                        tenants=list(tenants) if tenants else None)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 tags: Sequence[str] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
-        ids = self._add_all(prompts, params, tags)
+                 tags: Sequence[str] | None = None, tenants: Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order. ``tenants``:
+        per prompt, whose earlier outputs a scoped suffix drafter may draft from."""
+        ids = self._add_all(prompts, params, tags, tenants)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

@@ -192,6 +192,7 @@ class EngineMetrics:
         self.labels = dict(labels or {})
         self.info = dict(info or {})
         self.draft_misaligned = False      # the engine sets it: draft rows sample with other parameters
+        self.sources = None                # the engine sets it: () -> per draft source counts (suffix), or None
         self._lock = threading.Lock()
         self.total = RequestStats()
         self.by_tag: dict[str, RequestStats] = {}
@@ -209,7 +210,7 @@ class EngineMetrics:
     def fresh(self) -> "EngineMetrics":
         """New, empty statistics with the same settings (reset_metrics)."""
         m = EngineMetrics(self.window_s, self.health, self.labels, self.info)
-        m.draft_misaligned = self.draft_misaligned
+        m.draft_misaligned, m.sources = self.draft_misaligned, self.sources
         return m
 
     def record_step(self, tag: str, context_len: int, drafted: int, accepted: int, emitted: int,
@@ -293,6 +294,9 @@ class EngineMetrics:
                 "plan_time_s": self.plan_time_s,
                 **self.info,
             }
+        sources = self.sources() if self.sources is not None else None
+        if sources:                        # since the engine started (reset_metrics keeps them)
+            snap["draft_sources"] = sources
         snap["window"] = {"seconds": self.window_s, **self.window().summary()}
         snap["health"] = {rep.tag: {"healthy": rep.healthy, "judged": rep.judged, "drafted_steps": rep.steps,
                                     "checks": {c.metric: {"value": c.value, "status": c.status,
@@ -318,6 +322,18 @@ class EngineMetrics:
             total = self.total
             finished = dict(self.finished)
             preemptions = self.preemptions
+        sources = (self.sources() if self.sources is not None else None) or {}
+        for name, help_ in (("lookups", "Requests a draft source looked up"),
+                            ("matches", "Drafts a source supplied"), ("drafted", "Draft tokens a source proposed"),
+                            ("accepted", "Draft tokens of a source accepted")):
+            if sources:
+                metric(f"draft_source_{name}_total", "counter", help_,
+                       [({"source": k}, v[name]) for k, v in sorted(sources.items())])
+        if "global" in sources:
+            metric("suffix_index_tokens", "gauge", "Tokens the global suffix index holds",
+                   [({}, sources["global"]["index_tokens"])])
+            metric("suffix_index_bytes", "gauge", "Bytes the global suffix index holds",
+                   [({}, sources["global"]["index_bytes"])])
         for name, attr, help_ in (("spec_steps_total", "steps", "Speculative steps (target verifications)"),
                                   ("draft_tokens_total", "drafted", "Draft tokens proposed"),
                                   ("accepted_tokens_total", "accepted", "Draft tokens accepted"),

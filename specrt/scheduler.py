@@ -64,6 +64,7 @@ class Request:
     seed: int                         # the request's Philox key (drawn at admission when unseeded)
     prompt: str | None = None
     tag: str = "default"
+    tenant: str | None = None         # whose history suffix drafting may read (SuffixSettings.scoped)
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

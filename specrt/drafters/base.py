@@ -72,6 +72,9 @@ class DraftLimits:
                                                      # made to find its cap (n-gram); drafts are its prefixes
     seconds: float = 0.0                             # host time spent finding the caps (the n-gram
                                                      # search), paid on plain steps too
+    chains: dict[Hashable, int] = field(default_factory=dict)   # request id -> length of a proposal that is
+                                                     # one chain (verified causally: a tree step may let it
+                                                     # run past the tree's node budget)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class Drafter:
     caps_vary = False      # proposal lengths come and go every step: the policy must plan every step
     supports_pre_draft = False   # overlap: can draft the next round while this one verifies
     grows_trees = False          # propose_tree grows real trees (else it proposes a chain)
+    default_draft_length: int | None = None   # max_draft_length when the SpecConfig does not name one
     reads_target_kv = False      # drafts from the target's own KV cache (self:N)
     draft_params = None          # research hook: the sampling parameters of draft rows (None: the request's)
     wants_target_hidden = False  # the target's verify forward returns every fed row's final-normed
@@ -192,6 +196,14 @@ class Drafter:
         [T, H] the final-normed state of every fed row (vb: the VerifyBatch; request b's fed rows
         start at row vb.query_start[b], position vb.query_position[b]). Rows past what the target
         accepts are not verified yet: on_commit tells (request.target_cached)."""
+
+    def on_finish(self, request) -> None:
+        """The request ended (any reason): what the drafter learns from it (suffix drafting)."""
+
+    def source_stats(self) -> dict | None:
+        """Per draft source (suffix drafting: "request", "global"): lookups, matches, drafted,
+        accepted; None when the drafter has one source."""
+        return None
 
     def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
         """After verification (request.target_cached is updated): the positions this request's

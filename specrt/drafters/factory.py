@@ -2,6 +2,8 @@
 
     None / "none"        autoregressive decoding (no drafter)
     "ngram[:min[:max]]"  prompt lookup (specrt.drafters.ngram)
+    "suffix[:k=v,...]"   suffix drafting over the request's and earlier requests' tokens (specrt.drafters.suffix)
+    "MODEL+ngram" / "MODEL+suffix"   the lookup first, the model where nothing matched (specrt.drafters.lookup)
     "self:N"             the target's first N layers (specrt.drafters.self_draft)
     "builtin" / folder   a draft model (specrt.drafters.model)
     a draft folder       a reduced-vocabulary DraftModel (config.json architectures ["SpecrtDraftModel"],
@@ -16,11 +18,12 @@ from pathlib import Path
 
 from specrt.drafters.base import Drafter, DraftSettings
 from specrt.drafters.feature import FeatureDrafter
-from specrt.drafters.lookup import PromptLookup
+from specrt.drafters.lookup import make_lookup
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
 from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
+from specrt.drafters.suffix import SuffixDrafter, SuffixSettings
 from specrt.loading import ModelLoader, resolve_model_path
 from specrt.models import check_draft_compatible, load_generation_config
 from specrt.models.draft_model import is_draft_folder, load_draft_for_target
@@ -35,16 +38,18 @@ def make_drafter(draft, target_path: Path, target, settings: DraftSettings, load
         model_part, lookup = kind.rsplit("+", 1)
         drafter = make_drafter(model_part, target_path, target, settings, loader, dtype, accept_head)
         if not isinstance(drafter, ModelDrafter):
-            raise ValueError(f"draft={draft!r}: prompt lookup ('+ngram') goes in front of a draft model or self:N, "
-                             f"not {model_part!r}")
-        drafter.lookup = PromptLookup.parse(lookup)
-        drafter.name = f"{drafter.name}+ngram"
+            raise ValueError(f"draft={draft!r}: a lookup ('+ngram', '+suffix') goes in front of a draft model or "
+                             f"self:N, not {model_part!r}")
+        drafter.lookup = make_lookup(lookup)
+        drafter.name = f"{drafter.name}+{lookup.split(':', 1)[0]}"
         return drafter
     if draft is None or kind == "none":
         drafter = None
     elif kind is not None and kind.startswith("ngram"):
         parts = kind.split(":")[1:]
         drafter = NgramDrafter(NgramProposer(*(int(p) for p in parts)) if parts else NgramProposer(), settings.device)
+    elif kind is not None and kind.split(":", 1)[0] == "suffix":
+        drafter = SuffixDrafter(SuffixSettings.parse(kind), settings.device)
     elif kind is not None and kind.startswith("self:"):
         drafter = SelfDrafter(target, int(kind.split(":", 1)[1]), settings)
     else:

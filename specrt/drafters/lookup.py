@@ -39,6 +39,15 @@ class PromptLookup:
         lo = n[0] if n else DEFAULT_MIN_N
         return cls(NgramProposer(lo, n[1] if len(n) > 1 else max(lo, 4)))
 
+    def committed(self, request, row: int, proposal) -> None:
+        """After a verify (suffix lookup counts what its drafts got accepted)."""
+
+    def finished(self, request) -> None:
+        """The request ended (suffix lookup indexes its output)."""
+
+    def source_stats(self) -> dict | None:
+        return None
+
     def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
         """{row: tokens} for the rows (not ``skip``, K > 0) whose context has a match; 1..K tokens."""
         out = {}
@@ -51,6 +60,46 @@ class PromptLookup:
             if prop:
                 out[b] = prop
         return out
+
+
+class SuffixPromptLookup(PromptLookup):
+    """Suffix drafting in front of a draft model (``draft="MODEL+suffix[:key=value,...]"``): each
+    request's most probable suffix chain, when its history (or earlier outputs) matches."""
+
+    def __init__(self, spec: str):
+        from specrt.drafters.suffix import SuffixLookup, SuffixSettings
+
+        self.suffix = SuffixLookup(SuffixSettings.parse(spec))
+
+    def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
+        out = {}
+        for b, r in enumerate(batch):
+            tree = self.suffix.tree(r, 0 if skip[b] else ks[b], "lookup_state")
+            chain = [] if tree is None else tree.chain(ks[b])
+            if chain:
+                out[b] = chain
+                r.lookup_state.source, r.lookup_state.drafted = tree.source, len(chain)
+        return out
+
+    def committed(self, request, row: int, proposal) -> None:
+        if row in proposal.lookup_rows:
+            self.suffix.record(request, proposal.num_draft_tokens[row],
+                               request.target_cached - request.context_len, "lookup_state")
+        elif getattr(request.lookup_state, "source", None) is not None:
+            request.lookup_state.source = None
+
+    def finished(self, request) -> None:
+        self.suffix.finished(request)
+
+    def source_stats(self) -> dict | None:
+        return self.suffix.source_stats()
+
+
+def make_lookup(spec: str) -> PromptLookup:
+    """The lookup after '+' in ``draft="MODEL+..."``: "ngram[:min[:max]]" or "suffix[:key=value,...]"."""
+    if spec.split(":", 1)[0] == "suffix":
+        return SuffixPromptLookup(spec)
+    return PromptLookup.parse(spec)
 
 
 def fill_lookup_rows(found: dict[int, list[int]], draft_ids: torch.Tensor, draft_probs: torch.Tensor | None) -> None:

@@ -102,7 +102,16 @@ class ModelDrafter(Drafter):
             torch.cuda.current_stream(self.settings.device).wait_stream(self._stream)
         return proposal
 
+    def on_finish(self, request) -> None:
+        if self.lookup is not None:
+            self.lookup.finished(request)
+
+    def source_stats(self) -> dict | None:
+        return self.lookup.source_stats() if self.lookup is not None else None
+
     def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
+        if self.lookup is not None:
+            self.lookup.committed(request, row, proposal)
         fed = proposal.draft_cached[row]
         if pre is not None:
             fed = pre.draft_cached

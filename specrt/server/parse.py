@@ -29,6 +29,7 @@ class ParsedRequest:
     echo: bool = False           # completions: the prompt leads the text (and the logprobs, if asked)
     prompt_text: str = ""        # the prompt as text (echo)
     score_only: bool = False     # completions with echo and max_tokens 0: the generated token is dropped
+    tenant: str | None = None    # the OpenAI "user" field: whose history a scoped suffix drafter reads
 
 
 class TagSet:
@@ -190,4 +191,5 @@ def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name:
     return ParsedRequest(prompt_ids=ids, params=params, stream=bool(req.stream),
                          include_usage=bool(so is not None and so.include_usage), tag=tag,
                          return_token_ids=bool(ext is not None and ext.return_token_ids), model=model_name,
-                         echo=echo, prompt_text=prompt_text, score_only=echo and req.max_tokens == 0)
+                         echo=echo, prompt_text=prompt_text, score_only=echo and req.max_tokens == 0,
+                         tenant=req.user[:256] if isinstance(req.user, str) and req.user else None)

@@ -74,7 +74,7 @@ async def read_body(request: Request, state) -> bytes:
 async def _admit(state, req: ParsedRequest, request_id: str) -> asyncio.Queue:
     if not state.runner.alive:
         raise server_error("the engine thread is not running", "engine_down", 503)
-    q = state.runner.submit(request_id, req.prompt_ids, req.params, req.tag)
+    q = state.runner.submit(request_id, req.prompt_ids, req.params, req.tag, req.tenant)
     try:
         first = await q.get()
     except BaseException:

@@ -74,10 +74,11 @@ class EngineRunner:
         self._thread.start()
 
     # -- called from the event loop (never blocks on the engine)
-    def submit(self, request_id: str, prompt_ids: list[int], params, tag: str) -> asyncio.Queue:
+    def submit(self, request_id: str, prompt_ids: list[int], params, tag: str,
+               tenant: str | None = None) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._cmds.put(_Cmd("add", request_id, (prompt_ids, params, tag), _Stream(loop, q)))
+        self._cmds.put(_Cmd("add", request_id, (prompt_ids, params, tag, tenant), _Stream(loop, q)))
         return q
 
     def abort(self, request_id: str) -> None:
@@ -119,12 +120,12 @@ class EngineRunner:
         return s
 
     def _add(self, cmd: _Cmd) -> None:
-        prompt_ids, params, tag = cmd.args
+        prompt_ids, params, tag, tenant = cmd.args
         if self._drain_deadline is not None:
             self._deliver(cmd.stream, Failed(SHUTTING_DOWN, 503, "server_shutting_down"))
             return
         try:
-            self.engine.add_request(prompt_ids, params, request_id=cmd.request_id, tag=tag)
+            self.engine.add_request(prompt_ids, params, request_id=cmd.request_id, tag=tag, tenant=tenant)
         except ValueError as e:
             self._deliver(cmd.stream, Refused(str(e)))
         except Exception as e:    # not the request's fault: a 500 for it, the server goes on

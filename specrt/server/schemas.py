@@ -72,7 +72,8 @@ class _Common(_Strict):
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     specrt: Optional[SpecrtOptions] = None
-    user: Any = Field(None, description="accepted, no effect")
+    user: Any = Field(None, description="a string names the tenant whose history a scoped suffix drafter "
+                                        "(draft 'suffix:scoped=1') drafts from; anything else has no effect")
     metadata: Any = Field(None, description="accepted, no effect")
     store: Any = Field(None, description="accepted, no effect")
     service_tier: Any = Field(None, description="accepted, no effect")

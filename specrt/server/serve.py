@@ -26,12 +26,34 @@ INSTALL_HINT = 'pip install "specrt[serve]"'
 UVICORN_CONNECTION_HEADROOM = 64
 
 
+def _suffix_flags(draft: str | None, scoped: bool, history: int | None) -> str | None:
+    """The draft string with --suffix-* folded into its suffix settings; ValueError if they are
+    given without a suffix drafter."""
+    if not scoped and history is None:
+        return draft
+    head, sep, lookup = (draft or "").rpartition("+")
+    part = lookup if sep else draft or ""
+    if part.split(":", 1)[0] != "suffix":
+        raise ValueError(f"--suffix-scoped / --suffix-history-tokens need a suffix drafter "
+                         f"(--draft-model suffix or MODEL+suffix), got {draft!r}")
+    extra = (["scoped=1"] if scoped else []) + ([f"global_tokens={history}"] if history is not None else [])
+    part += (":" if ":" not in part else ",") + ",".join(extra)
+    return f"{head}+{part}" if sep else part
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specrt serve", description="OpenAI-compatible server for specrt.")
     p.add_argument("--target-model", required=True, help="HF model folder or 'builtin'")
     p.add_argument("--draft-model", default=None,
                    help="draft model folder, 'builtin', 'smollm2-135m-draft' (a reduced-vocabulary draft), 'ngram[:N[:M]]', "
-                        "'self:N', or a draft model + prompt lookup 'MODEL+ngram' (used with --speculative-decoding)")
+                        "'self:N', 'suffix[:key=value,...]' (suffix drafting over each request's and earlier outputs), "
+                        "or a draft model + a lookup 'MODEL+ngram' / 'MODEL+suffix' (used with --speculative-decoding)")
+    p.add_argument("--suffix-scoped", action="store_true",
+                   help="suffix drafting: one history per tenant (the request's OpenAI 'user' field); a request "
+                        "never drafts from another tenant's outputs")
+    p.add_argument("--suffix-history-tokens", type=int, default=None,
+                   help="suffix drafting: tokens of earlier outputs kept (oldest evicted; 0: no shared history; "
+                        "default 1,000,000, ~12 MB)")
     p.add_argument("--speculative-decoding", action="store_true",
                    help="decode speculatively with the draft (without it: plain autoregressive decoding)")
     p.add_argument("--draft-length", type=int, default=None, help="draft tokens per step (K); the max for "
@@ -124,6 +146,7 @@ def engine_kwargs(args) -> dict:
             draft = "builtin"
     elif args.draft_model is not None:
         logger.warning("--draft-model is ignored without --speculative-decoding (serving plain decoding)")
+    draft = _suffix_flags(draft, args.suffix_scoped, args.suffix_history_tokens)
     max_k = args.max_draft_length if args.max_draft_length is not None else args.draft_length
     spec = SpecConfig(min_draft_length=args.min_draft_length, max_draft_length=max_k,
                       confidence_threshold=args.confidence_threshold, acceptance_window=args.acceptance_window,

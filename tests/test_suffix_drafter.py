@@ -1,0 +1,162 @@
+"""Suffix drafting through the engine (draft="suffix", "MODEL+suffix"; specrt.drafters.suffix).
+
+- greedy: output == autoregressive decoding in chain, fixed-tree and dynamic-tree modes, batches
+  of 1-6, and in front of a draft model;
+- coupled sampling equals plain sampling with the same seed;
+- the global index: a request that repeats an earlier one drafts from its output, nearly every
+  draft is accepted, and chains run past the tree's node budget;
+- tenants: with scoping on, a request never drafts from another tenant's outputs;
+- per-source counts reach stats() and /metrics; bad settings name the field.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_utils import make_pair, tokens  # noqa: E402
+
+import specrt  # noqa: E402
+from specrt import SamplingParams, SpecConfig  # noqa: E402
+from specrt.drafters.suffix import SuffixDrafter, SuffixSettings  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20, 21] * 5, [30, 31], [40, 41, 42, 43, 40, 41, 42], [70]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_pair(tmp_path_factory.mktemp("suffix"))
+
+
+@pytest.fixture(scope="module")
+def ar(pair):
+    return tokens(specrt.LLM(target=str(pair[0]), draft=None, seed=0).generate(PROMPTS, GREEDY))
+
+
+def llm(pair, draft="suffix", **spec):
+    d = draft.replace("MODEL", str(pair[1]))
+    return specrt.LLM(target=str(pair[0]), draft=d, spec=SpecConfig(**spec), seed=0)
+
+
+def drafted(eng) -> int:
+    return eng.stats()["total"]["drafted_tokens"]
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
+def test_greedy_equals_autoregressive(pair, ar, tree):
+    eng = llm(pair, tree=tree)
+    assert isinstance(eng.engine.drafter, SuffixDrafter)
+    assert eng.engine.spec.max_draft_length == 16          # the suffix drafter's own default K
+    for batch in (1, 3, 6):
+        assert tokens(eng.generate(PROMPTS[:batch], GREEDY)) == ar[:batch], (tree, batch)
+    assert drafted(eng) > 0
+
+
+@pytest.mark.parametrize("draft", ["MODEL+suffix", "MODEL+suffix:min_match=2,max_match=8"])
+def test_in_front_of_a_draft_model(pair, ar, draft):
+    eng = llm(pair, draft, max_draft_length=4)
+    assert eng.engine.spec.max_draft_length == 4 and eng.engine.drafter.name == "model+suffix"
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar                  # the global index now matches too
+    sources = eng.stats()["draft_sources"]
+    assert sources["request"]["matches"] > 0 and sources["global"]["matches"] > 0
+
+
+def test_coupled_sampling_equals_plain_sampling(pair):
+    params = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=i) for i in range(len(PROMPTS))]
+    want = tokens(specrt.LLM(target=str(pair[0]), draft=None, seed=0).generate(PROMPTS, params))
+    for tree in ("chain", "fixed"):
+        eng = llm(pair, tree=tree, acceptance="coupled")
+        assert tokens(eng.generate(PROMPTS, params)) == want
+        assert tokens(eng.generate(PROMPTS, params)) == want
+
+
+def test_a_repeated_request_drafts_from_the_earlier_output(pair, ar):
+    eng = llm(pair, tree="fixed", max_tree_nodes=4)
+    prompt = [[90, 3, 17, 33]]
+    first = tokens(eng.generate(prompt, GREEDY))
+    before = eng.stats()
+    eng.engine.reset_metrics()
+    assert tokens(eng.generate(prompt, GREEDY)) == first
+    snap = eng.stats()
+    g = snap["draft_sources"]["global"]
+    assert g["index_tokens"] >= 40 and g["index_bytes"] > 0
+    assert g["matches"] > 0 and g["accepted"] >= 0.9 * g["drafted"] > 0
+    # the second run's 40 tokens come in far fewer target forwards; chains ran past the 4-node budget
+    assert snap["total"]["steps"] <= 8 < before["total"]["steps"]
+    assert snap["total"]["drafted_tokens"] / snap["total"]["steps"] > 4
+
+
+def test_tenants_do_not_read_each_other(pair):
+    eng = llm(pair, "suffix:scoped=1", tree="fixed")
+    prompt = [[90, 3, 17, 33]]
+
+    def global_matches() -> int:
+        return eng.stats()["draft_sources"]["global"]["matches"]
+
+    eng.generate(prompt, GREEDY, tenants=["alice"])
+    eng.generate(prompt, GREEDY, tenants=["bob"])              # alice's output is not bob's to read
+    assert global_matches() == 0
+    eng.generate(prompt, GREEDY, tenants=["alice"])
+    assert global_matches() > 0
+    shared = llm(pair, "suffix", tree="fixed")                 # unscoped: one history for everyone
+    shared.generate(prompt, GREEDY, tenants=["alice"])
+    shared.generate(prompt, GREEDY, tenants=["bob"])
+    assert shared.stats()["draft_sources"]["global"]["matches"] > 0
+    with pytest.raises(ValueError, match="tenant"):
+        eng.generate(prompt, GREEDY, tenants=[7])
+
+
+def test_sources_reach_prometheus(pair):
+    eng = llm(pair)
+    eng.generate(PROMPTS, GREEDY)
+    text = eng.engine.metrics.prometheus()
+    assert 'specrt_draft_source_accepted_total{source="request"}' in text
+    assert "specrt_suffix_index_tokens " in text
+
+
+@pytest.mark.parametrize("draft, field", [
+    ("suffix:max_match=0", "max_match"), ("suffix:min_prob=2", "min_prob"), ("suffix:bogus=1", "bogus"),
+    ("suffix:min_match=9,max_match=4", "min_match"), ("suffix:max_nodes=x", "max_nodes"),
+    ("suffix:match_factor=nan", "match_factor"),
+])
+def test_bad_settings_name_the_field(pair, draft, field):
+    with pytest.raises(ValueError, match=field):
+        llm(pair, draft)
+
+
+def test_settings_parse():
+    s = SuffixSettings.parse("suffix:max_match=8,min_prob=0.25,scoped=1,global_tokens=0")
+    assert (s.max_match, s.min_prob, s.scoped, s.global_tokens) == (8, 0.25, True, 0)
+    assert SuffixSettings.parse("suffix") == SuffixSettings()
+
+
+def test_the_server_scopes_by_the_user_field(pair):
+    """``specrt serve --draft-model suffix --suffix-scoped``: the OpenAI "user" names the tenant."""
+    from fastapi.testclient import TestClient
+
+    from specrt.engine import LLMEngine
+    from specrt.server import create_app
+    from specrt.server.serve import _suffix_flags
+
+    engine = LLMEngine(str(pair[0]), _suffix_flags("suffix", True, None), SpecConfig(tree="fixed"), device="cpu")
+    body = {"prompt": "w5 w6 w7 w8", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    def global_matches() -> int:
+        return engine.metrics.snapshot()["draft_sources"]["global"]["matches"]
+
+    with TestClient(create_app(engine)) as client:       # warm-up and calibration outputs are not indexed
+        assert client.post("/v1/completions", json={**body, "user": "alice"}).status_code == 200
+        start = global_matches()
+        assert client.post("/v1/completions", json={**body, "user": "bob"}).status_code == 200
+        assert global_matches() == start
+        assert client.post("/v1/completions", json={**body, "user": "alice"}).status_code == 200
+        assert global_matches() > start
+        assert "specrt_draft_source_matches_total" in client.get("/metrics").text
+    with pytest.raises(ValueError, match="suffix drafter"):
+        _suffix_flags("ngram", True, None)
