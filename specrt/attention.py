@@ -104,6 +104,8 @@ class AttentionMetadata:
     context_lens_host: list[int] | None = None     # [B] true lengths when a KVWindow view shortened seq_lens
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits per new token (None: causal)
     tree_requests_host: list[bool] | None = None   # [B] host: request b has a row whose tree_mask is not -1
+    verify_requests_host: list[bool] | None = None  # [B] host: request b's rows are a pending token + drafts
+                                                    # (the kernel attends them at any count, as decoding would)
 
     def tree_requests(self) -> list[bool]:
         """[B] whether request b's rows carry tree masks (host only; without tree_requests_host every
@@ -129,7 +131,8 @@ class AttentionMetadata:
     def build(seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
               device=None, max_model_len: int | None = None,
               token_ids: list[int] | None = None, window: KVWindow | None = None,
-              write: bool = True, tree_mask: list[int] | None = None) -> "AttentionMetadata":
+              write: bool = True, tree_mask: list[int] | None = None,
+              verify: list[bool] | None = None) -> "AttentionMetadata":
         """Metadata for requests with ``seq_lens[b]`` total positions of which the last ``query_lens[b]`` are new.
 
         ``slot_mapping`` is computed from positions ``seq_len - query_len .. seq_len - 1``.
@@ -146,6 +149,10 @@ class AttentionMetadata:
         ``window``: the new tokens attend to that view of their context (block tables and seq_lens
         are the view's; slots and positions stay the true ones). ``write`` False: every slot is -1
         (the new tokens' K/V are already in the cache and are read from there).
+
+        ``verify`` ([B], speculative steps): request b's rows are its pending token and drafts, so the
+        paged-attention kernel attends them whatever their number (each row's bits then equal
+        decoding its token; a longer chunk otherwise goes to SDPA like a prefill).
 
         ``tree_mask`` (token trees): one signed int64 per new token in row order, its ancestor bits
         (``ops.paged_attention``: bit d lets it see the key d positions back, for d < 64; -1 =
@@ -220,6 +227,7 @@ class AttentionMetadata:
             context_lens_host=context_lens,
             tree_mask=ints[6] if tree_mask is not None else None,
             tree_requests_host=tree_requests,
+            verify_requests_host=None if verify is None else [bool(v) for v in verify],
         )
 
     def ensure_derived(self) -> None:

@@ -100,7 +100,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     tree = proposal.is_tree
     host_ids, positions, draft_dest, draft_src, logit_rows, seq_lens, query_lens = [], [], [], [], [], [], []
     unwritten, prompt_rows, prompt_logit_rows, query_start, query_position = [], [], [], [], []
-    masks, node_start = [], []
+    masks, node_start, verify = [], [], []
     for b, r in enumerate(batch):
         start, L = r.target_cached, r.context_len
         base = len(host_ids)
@@ -110,6 +110,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
             prompt_rows += [(b, t) for t in r.prompt_token_ids[1:]]
             prompt_logit_rows += range(base, base + L - 1)
         pending = r.token_ids[start:]
+        verify.append(len(pending) == 1)     # one pending token + drafts: decode-shaped rows
         query_start.append(base)
         query_position.append(start)
         host_ids += pending + [0] * n[b]
@@ -133,7 +134,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     if draft_dest:
         input_ids[dev(draft_dest)] = proposal.draft_token_ids.view(-1).index_select(0, dev(draft_src)).long()
     meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in batch],
-                                   kv.block_size, device, tree_mask=masks if tree else None)
+                                   kv.block_size, device, tree_mask=masks if tree else None, verify=verify)
     if unwritten:
         meta.slot_mapping[dev(unwritten)] = -1
     counts = [k + 1 for k in n]

@@ -160,3 +160,34 @@ def test_the_server_scopes_by_the_user_field(pair):
         assert "specrt_draft_source_matches_total" in client.get("/metrics").text
     with pytest.raises(ValueError, match="suffix drafter"):
         _suffix_flags("ngram", True, None)
+
+
+def test_long_verify_chains_stay_on_the_kernel(pair, monkeypatch):
+    """A verify of more than 16 rows (suffix chains run to 16 drafts and past) attends with the
+    paged-attention kernel, as decoding its tokens would, not with a prefill's SDPA: greedy
+    output stays token-identical in bf16 too."""
+    from specrt import verify as verify_mod
+    from specrt.attention import AttentionMetadata
+    from specrt.models.attention_path import kernel_batch
+
+    for verify, on_kernel in ((None, False), ([True], True)):
+        meta = AttentionMetadata.build([40], [21], [[0, 1, 2]], 16, verify=verify)
+        assert (kernel_batch(meta) is not None) == on_kernel
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    ar = specrt.LLM(target=str(pair[0]), draft=None, seed=0, dtype=torch.bfloat16)
+    loop = [[5, 6] + tokens(ar.generate([[5, 6]], params))[0]]     # the pair's greedy text settles into a loop
+    want = tokens(ar.generate(loop, params))
+    rows = []
+    build = verify_mod.build_verify_batch
+
+    def spy(*args, **kwargs):
+        vb = build(*args, **kwargs)
+        rows.append((max(vb.attn_metadata.query_lens_host), kernel_batch(vb.attn_metadata) is not None))
+        return vb
+
+    monkeypatch.setattr("specrt.engine.build_verify_batch", spy)
+    eng = specrt.LLM(target=str(pair[0]), draft="suffix:max_match=4,match_factor=8",
+                     spec=SpecConfig(max_draft_length=24, tree="chain"), seed=0, dtype=torch.bfloat16)
+    assert tokens(eng.generate(loop, params)) == want
+    assert max(n for n, _ in rows[1:]) > 17                         # verifies of more than 17 rows ran ...
+    assert all(on for _, on in rows[1:])                            # ... every one on the kernel (past the prefill)

@@ -179,7 +179,8 @@ class _Plan:
         """(long chunks (request, row start, q, seq_len) for gather + SDPA, the kernel's batch or None)."""
         if self._kernel is None:
             qls, sls, starts = self._meta.query_lens_host, self._meta.seq_lens_host, self._starts
-            on_kernel = [qls[b] <= _KERNEL_MAX_QUERY or self.tree[b] for b in range(len(qls))]
+            verify = self._meta.verify_requests_host or [False] * len(qls)
+            on_kernel = [qls[b] <= _KERNEL_MAX_QUERY or self.tree[b] or verify[b] for b in range(len(qls))]
             members = [b for b in self.rest if on_kernel[b]]
             long = [(b, starts[b], qls[b], sls[b]) for b in self.rest if not on_kernel[b]]
             batch = (_KernelBatch(self._meta, members, starts, len(members) == len(qls), self.tree)
