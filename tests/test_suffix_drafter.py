@@ -191,3 +191,19 @@ def test_long_verify_chains_stay_on_the_kernel(pair, monkeypatch):
     assert tokens(eng.generate(loop, params)) == want
     assert max(n for n, _ in rows[1:]) > 17                         # verifies of more than 17 rows ran ...
     assert all(on for _, on in rows[1:])                            # ... every one on the kernel (past the prefill)
+
+
+def test_depth_rates_shorten_drafts_the_target_stops_following():
+    """A source whose drafts the target follows for 2 tokens and then leaves: after enough verifies
+    its deep nodes fall under min_prob, while a fresh source still drafts the whole chain."""
+    from specrt.drafters.suffix import DepthRates, SuffixTree, _shape
+
+    chain = SuffixTree(list(range(10, 18)), list(range(-1, 7)), [1.0] * 8, "request", 8)
+    assert len(_shape(chain, 8, DepthRates(), 0.1).tokens) == 8          # the prior: 0.8 per level
+    rates = DepthRates()
+    for _ in range(200):
+        rates.observe(8, 2)
+    cut = _shape(chain, 8, rates, 0.1)
+    assert cut.tokens == [10, 11] and min(cut.probs) > 0.95          # depth 3 was never accepted
+    assert rates.factors(4)[3] < 0.01
+    assert len(_shape(chain, 5, DepthRates(), 0.0).tokens) == 5          # the depth cap

@@ -78,7 +78,7 @@ class SuffixPromptLookup(PromptLookup):
             chain = [] if tree is None else tree.chain(ks[b])
             if chain:
                 out[b] = chain
-                r.lookup_state.source, r.lookup_state.drafted = tree.source, len(chain)
+                r.lookup_state.source, r.lookup_state.depth = tree.source, len(chain)
         return out
 
     def committed(self, request, row: int, proposal) -> None:

@@ -28,10 +28,12 @@ from typing import Hashable
 import torch
 
 from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal
-from specrt.drafters.tree import is_chain
+from specrt.drafters.tree import is_chain, node_depths
 
 DEFAULT_DRAFT_LENGTH = 16     # suffix drafts run long where the history repeats (max_draft_length's default)
 SOURCES = ("request", "global")
+DEPTH_PRIOR = (0.8, 2.0)      # a depth's acceptance rate before evidence, and its weight in verifies
+DEPTH_WINDOW = 256.0          # a depth's counts halve past this many verifies (recent evidence weighs most)
 
 
 def index_class():
@@ -114,19 +116,54 @@ class SuffixTree:
         return out
 
     def prune(self, budget: int, shape) -> tuple[list[int], list[int], float]:
-        """At most ``budget`` nodes (best first keeps every ancestor); with row costs (a planner's
-        ``shape``) as many as maximise (1 + calibration x expected) / (1 + their rows' cost)."""
-        n = min(budget, len(self.tokens))
+        """At most ``budget`` nodes, the likeliest first (a child is never likelier than its parent,
+        so every ancestor comes along); with row costs (a planner's ``shape``) as many as maximise
+        (1 + calibration x expected) / (1 + their rows' cost). (tokens, parents, expected)."""
+        order = sorted(range(len(self.tokens)), key=lambda j: (-self.probs[j], j))[:budget]
+        n = len(order)
         if shape is not None and shape.row_costs:
-            best, total, cost, n_best = 1.0, 0.0, 0.0, 0
-            for i in range(n):
-                total += self.probs[i]
+            best, total, cost, n = 1.0, 0.0, 0.0, 0
+            for i, j in enumerate(order):
+                total += self.probs[j]
                 cost += shape.row_cost(i)
                 value = (1.0 + shape.calibration * total) / (1.0 + cost)
                 if value > best:
-                    best, n_best = value, i + 1
-            n = n_best
-        return self.tokens[:n], self.parents[:n], sum(self.probs[:n])
+                    best, n = value, i + 1
+        keep = sorted(order[:n])
+        index = {j: i for i, j in enumerate(keep)}
+        return ([self.tokens[j] for j in keep], [index[self.parents[j]] if self.parents[j] >= 0 else -1 for j in keep],
+                sum(self.probs[j] for j in keep))
+
+
+@dataclass
+class DepthRates:
+    """Per depth d, how often the target accepted a suffix draft's depth-d node once it had accepted
+    its parent, learned from every verify of this source. A continuation's frequency says which
+    branch to draft; these rates say how far the target keeps following a copy."""
+
+    tried: list[float] = field(default_factory=list)      # [d-1] verifies that reached depth d
+    accepted: list[float] = field(default_factory=list)   # [d-1] ... and accepted it
+
+    def factors(self, depth: int) -> list[float]:
+        """[d] the chance of reaching and accepting depth d + 1 (a product of the rates), d < depth."""
+        out, f = [], 1.0
+        prior, weight = DEPTH_PRIOR
+        for d in range(depth):
+            t, a = (self.tried[d], self.accepted[d]) if d < len(self.tried) else (0.0, 0.0)
+            f *= (a + prior * weight) / (t + weight)
+            out.append(f)
+        return out
+
+    def observe(self, depth: int, accepted: int) -> None:
+        """A verify of a draft ``depth`` deep whose first ``accepted`` levels were accepted."""
+        for d in range(min(depth, accepted + 1)):
+            if d == len(self.tried):
+                self.tried.append(0.0), self.accepted.append(0.0)
+            self.tried[d] += 1.0
+            self.accepted[d] += 1.0 if d < accepted else 0.0
+            if self.tried[d] > DEPTH_WINDOW:
+                self.tried[d] /= 2.0
+                self.accepted[d] /= 2.0
 
 
 @dataclass
@@ -137,7 +174,7 @@ class SuffixState:
     indexed: int = 0              # tokens of request.token_ids in the index
     tree: SuffixTree | None = None   # this step's draft (from ``limit``)
     source: str | None = None     # the source of the draft last verified
-    drafted: int = 0              # its node count
+    depth: int = 0                # its depth
 
 
 @dataclass
@@ -155,6 +192,7 @@ class SuffixIndexes:
     settings: SuffixSettings
     by_tenant: dict[str, object] = field(default_factory=dict)
     stats: dict[str, SourceStats] = field(default_factory=lambda: {s: SourceStats() for s in SOURCES})
+    rates: dict[str, DepthRates] = field(default_factory=lambda: {s: DepthRates() for s in SOURCES})
     _next_seq: int = 0
 
     def index_for(self, tenant: str | None, create: bool):
@@ -226,9 +264,9 @@ class SuffixLookup:
                                                    max_depth(s, min(s.max_match, len(tail)), cap), s.min_prob)
             if not toks:
                 continue
-            depth_cap = max_depth(s, m, cap)
-            tree = _cut_depth(SuffixTree(toks, parents, probs, source, m), depth_cap)
-            if best is None or tree.expected > best.expected:
+            tree = _shape(SuffixTree(toks, parents, probs, source, m), max_depth(s, m, cap),
+                          self.indexes.rates[source], s.min_prob)
+            if tree.tokens and (best is None or tree.expected > best.expected):
                 best = tree
         if best is not None:
             self.indexes.stats[best.source].matches += 1
@@ -242,6 +280,7 @@ class SuffixLookup:
             stats = self.indexes.stats[st.source]
             stats.drafted += drafted
             stats.accepted += accepted
+            self.indexes.rates[st.source].observe(st.depth, accepted)
             st.source = None
 
     def finished(self, r) -> None:
@@ -256,20 +295,27 @@ class SuffixLookup:
         return out
 
 
-def _cut_depth(tree: SuffixTree, depth_cap: int) -> SuffixTree:
-    """Drop nodes deeper than ``depth_cap`` (their descendants go with them; order is kept)."""
-    depth, keep, index = [], [], {}
+def _shape(tree: SuffixTree, depth_cap: int, rates: DepthRates, min_prob: float) -> SuffixTree:
+    """The tree as drafted: each node's frequency probability times the chance the target follows
+    that deep (``rates``); nodes deeper than ``depth_cap`` or below ``min_prob`` go, with their
+    descendants (a child is never likelier than its parent); order is kept."""
+    factors = rates.factors(depth_cap)
+    depth: list[int] = []
+    keep, index, probs = [], {}, []
     for j, p in enumerate(tree.parents):
         d = 1 if p < 0 else depth[p] + 1
         depth.append(d)
-        if d <= depth_cap and (p < 0 or p in index):
-            index[j] = len(keep)
-            keep.append(j)
-    if len(keep) == len(tree.tokens):
-        return tree
+        if d > depth_cap or (p >= 0 and p not in index):
+            continue
+        prob = tree.probs[j] * factors[d - 1]
+        if prob < min_prob:
+            continue
+        index[j] = len(keep)
+        keep.append(j)
+        probs.append(prob)
     return SuffixTree([tree.tokens[j] for j in keep],
                       [index[tree.parents[j]] if tree.parents[j] >= 0 else -1 for j in keep],
-                      [tree.probs[j] for j in keep], tree.source, tree.match_len)
+                      probs, tree.source, tree.match_len)
 
 
 class SuffixDrafter(Drafter):
@@ -312,7 +358,7 @@ class SuffixDrafter(Drafter):
             prop = tree.chain(ks[b]) if tree is not None and ks[b] > 0 else []
             if prop:
                 ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
-                st.source, st.drafted = tree.source, len(prop)
+                st.source, st.depth = tree.source, len(prop)
             n.append(len(prop))
         return DraftProposal(ids.to(self.device), n, None, None,
                              DraftCost(time.perf_counter() - t0, forwards=0, tokens_fed=0))
@@ -329,7 +375,7 @@ class SuffixDrafter(Drafter):
                 continue
             toks, par, exp = tree.prune(budgets[b], shape)
             picked.append(toks), parents.append(par), expected.append(exp)
-            st.source, st.drafted = tree.source, len(toks)
+            st.source, st.depth = tree.source, max(node_depths(par), default=0)
         N = max((len(t) for t in picked), default=0)
         ids = torch.full((B, N), -1, dtype=torch.int32)
         for b, toks in enumerate(picked):
