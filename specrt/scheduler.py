@@ -312,10 +312,8 @@ class Scheduler:
             return
         if req in self.running:
             self.running.remove(req)
-        try:
+        if req in self.waiting:          # (deque.remove's miss would build the request's repr: milliseconds)
             self.waiting.remove(req)
-        except ValueError:
-            pass
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.error = error
