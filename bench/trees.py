@@ -4,7 +4,8 @@
     python -m bench.trees --temperature 0.7 --acceptance rejection
     python -m bench.trees --trees 8x4,12x4,16x5 --chains 1,2,3,4
 
-Batch 1, held-out chat and code prompts (bench.smollm2_pair's), ``--max-tokens`` new tokens each.
+Batch 1, held-out chat and code prompts (bench.smollm2_pair's), ``--max-tokens`` new tokens each
+(``--concurrency N``: all prompts served at once, N in flight, throughput against plain decoding).
 Modes: autoregressive; the draft as a chain at each K of ``--chains``; the draft as a tree at
 each NODESxDEPTH of ``--trees`` (branching ``--branching``), dynamic (sized per step by measured
 costs, off where it does not pay) and/or fixed (``--kinds``); and ``default``: the engine
@@ -41,9 +42,10 @@ def modes_for(args, loader) -> dict:
     from specrt import SamplingParams, SpecConfig
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    common = dict(acceptance=args.acceptance, max_batch_size=1)
+    batch = args.concurrency or 1
+    common = dict(acceptance=args.acceptance, max_batch_size=batch)
     llm = lambda draft, spec: make_llm(args.target, draft, spec, "cpu", args.dtype, model_loader=loader)  # noqa: E731
-    modes = {"ar": (llm(None, SpecConfig(max_batch_size=1)), params)}
+    modes = {"ar": (llm(None, SpecConfig(max_batch_size=batch)), params)}
     for k in args.chains:
         modes[f"chain_k{k}"] = (llm(args.draft, SpecConfig(tree="chain", max_draft_length=k, **common)), params)
     for n, d in args.trees:
@@ -52,7 +54,7 @@ def modes_for(args, loader) -> dict:
                               **common)
             modes[f"{kind}_{n}x{d}"] = (llm(args.draft, spec), params)
     if args.default:
-        modes["default"] = (llm(args.draft, SpecConfig(acceptance=args.acceptance, max_batch_size=1)), params)
+        modes["default"] = (llm(args.draft, SpecConfig(acceptance=args.acceptance, max_batch_size=batch)), params)
     return modes
 
 
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="serve all prompts at once with at most N in flight (throughput; 0: batch 1, prompt by prompt)")
     ap.add_argument("--out", default=None, help="JSON file (default bench/results/trees-<temperature>.json)")
     args = ap.parse_args(argv)
     args.chains = [int(k) for k in args.chains.split(",") if k]
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for llm, params in modes.values():          # kernels, caches and the cost model settle first
         llm.generate(ps[:1], params)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    res = compare(modes, ps, args.repeats)
+    res = compare(modes, ps, args.repeats, concurrency=args.concurrency or None)
     rows = {}
     for m, r in res.items():
         rows[m] = {"tokens_per_s": round(r["tokens_per_s"], 2), "speedup": round(r.get("speedup", 1.0), 3),

@@ -79,7 +79,8 @@ def test_lagging_draft_keeps_target_prefix_sharing(pair, ar_greedy):
     (its catch-up), decode exactly the autoregressive tokens, and after it the blocks hold the
     draft's KV too (a third request reuses them for both)."""
     tdir, ddir = pair
-    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4), seed=0)
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="fixed"),
+                      seed=0)           # drafts every step once allowed (the planner may judge this pair not worth it)
     eng = llm_.engine
     seen = []
     alloc = eng.scheduler.try_allocate

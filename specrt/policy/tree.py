@@ -17,6 +17,9 @@ time of a step of as many rows as requests; a running average of the ratios). Be
 stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
 pays the draft's catch-up over everything decoded while it was off). Every ``PROBE_EVERY`` steps
 ``PROBE_STEPS`` plain steps keep the autoregressive time measured on this machine as it is now.
+A step whose first node cannot repay its verify row and a draft level (their costs against the
+drafts accepted per request per tree step so far) is plain without asking the draft at all: a
+large batch on a compute-bound device, where each extra row costs nearly a request's whole share.
 """
 from __future__ import annotations
 
@@ -87,6 +90,7 @@ class TreePlanner:
         self.adaptive = adaptive          # False: every step drafts (tree="fixed")
         self.calibration = 1.0
         self.speedup = 1.0                # running average of tree steps' speed over plain steps'
+        self.gain = 1.0                   # running average of drafts accepted per request per tree step
         self.on = True
         self.curve = VerifyCurve()
         self._since_probe = 0
@@ -97,7 +101,11 @@ class TreePlanner:
     def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int, max_nodes: int) -> TreeStep:
         """``tokens`` / ``context``: what a plain step over the batch would feed and attend."""
         rows, level = self._costs(costs, batch_size, tokens, context, depth, max_nodes)
-        return TreeStep(self._draft_now(costs), rows, level, self.calibration)
+        draft = self._draft_now(costs)
+        if draft and self.adaptive and rows and rows[0] + level >= self.gain:
+            draft = False                 # not even the first node repays its row and a draft level (a
+                                          # large batch on a compute-bound device): no draft forward at all
+        return TreeStep(draft, rows, level, self.calibration)
 
     def _draft_now(self, costs) -> bool:
         if not self.adaptive:
@@ -147,6 +155,7 @@ class TreePlanner:
         if predicted > 0:
             ratio = min(accepted / predicted, 4.0)
             self.calibration += AVERAGE * (ratio - self.calibration)
+        self.gain += AVERAGE * (accepted / max(batch_size, 1) - self.gain)
         if plain_s is None:              # no steady plain fit yet: the curve's step of as many rows
             plain_s = self.curve.at(batch_size)
         if plain_s is None or step_s <= 0:
