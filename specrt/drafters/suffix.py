@@ -96,7 +96,7 @@ class SuffixTree:
 
     tokens: list[int]
     parents: list[int]            # -1: the pending token
-    probs: list[float]            # path probability by frequency
+    probs: list[float]            # path probability: frequency x the rate the target follows that deep
     source: str                   # "request" or "global"
     match_len: int
 
