@@ -110,8 +110,7 @@ class LLMEngine:
         info = {"overlap": overlap.as_dict(), "draft_size": check_draft_size(self.drafter, self.target),
                 "kv_cache_tokens": self.kv_cache_tokens}
         self.metrics = EngineMetrics(health=health, labels={"model": target_path.name, "draft": self.draft_kind},
-                                     info=info)
-        self.metrics.sources = self.drafter.source_stats if self.drafter is not None else None
+                                     info=info, sources=self.drafter.source_stats if self.drafter is not None else None)
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self.lock = threading.RLock()
@@ -368,10 +367,16 @@ class LLMEngine:
         # same bits (greedy output stays token-identical in every dtype). A proposal known to be one
         # chain (limits.chains) verifies causally, as a chain step would: it keeps its length.
         tile, chains = self._tile_keys, (limits.chains if limits is not None else {})
-        return [0 if k <= 0 else min(chains[r.request_id], self.max_model_len - r.context_len)
-                if r.request_id in chains else
-                min(self.spec.max_tree_nodes, self.max_model_len - r.context_len, tile - r.context_len % tile)
-                for r, k in zip(batch, ks)]
+        budgets = []
+        for r, k in zip(batch, ks):
+            room = self.max_model_len - r.context_len
+            if k <= 0:
+                budgets.append(0)
+            elif r.request_id in chains:
+                budgets.append(min(chains[r.request_id], room))
+            else:
+                budgets.append(min(self.spec.max_tree_nodes, room, tile - r.context_len % tile))
+        return budgets
 
     def _reserve(self, batch: list[Request], ks: list[int]):
         kept, kept_k, preempted, failed = self.scheduler.reserve(batch, ks)

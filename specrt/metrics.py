@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specrt.health import CAUSES, METRICS, HealthLog, HealthRanges, HealthReport, judge
 
@@ -186,13 +187,13 @@ class EngineMetrics:
     BUCKET_S = 1.0          # the time window is kept in buckets of this many seconds
 
     def __init__(self, window_s: float = 60.0, health: HealthRanges | None = None, labels: dict | None = None,
-                 info: dict | None = None):
+                 info: dict | None = None, sources: Callable[[], dict | None] | None = None):
         self.window_s = window_s
         self.health = health or HealthRanges()
         self.labels = dict(labels or {})
         self.info = dict(info or {})
         self.draft_misaligned = False      # the engine sets it: draft rows sample with other parameters
-        self.sources = None                # the engine sets it: () -> per draft source counts (suffix), or None
+        self.sources = sources             # () -> per draft source counts (suffix drafting), or None
         self._lock = threading.Lock()
         self.total = RequestStats()
         self.by_tag: dict[str, RequestStats] = {}
@@ -209,8 +210,8 @@ class EngineMetrics:
 
     def fresh(self) -> "EngineMetrics":
         """New, empty statistics with the same settings (reset_metrics)."""
-        m = EngineMetrics(self.window_s, self.health, self.labels, self.info)
-        m.draft_misaligned, m.sources = self.draft_misaligned, self.sources
+        m = EngineMetrics(self.window_s, self.health, self.labels, self.info, self.sources)
+        m.draft_misaligned = self.draft_misaligned
         return m
 
     def record_step(self, tag: str, context_len: int, drafted: int, accepted: int, emitted: int,

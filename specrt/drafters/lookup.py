@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from specrt.drafters.ngram import NgramProposer, NgramState
+from specrt.drafters.suffix import SuffixLookup, SuffixSettings
 
 DEFAULT_MIN_N = 2   # a single-token match is a weak signal; the model drafts those steps
 
@@ -67,8 +68,6 @@ class SuffixPromptLookup(PromptLookup):
     request's most probable suffix chain, when its history (or earlier outputs) matches."""
 
     def __init__(self, spec: str):
-        from specrt.drafters.suffix import SuffixLookup, SuffixSettings
-
         self.suffix = SuffixLookup(SuffixSettings.parse(spec))
 
     def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:

@@ -193,6 +193,8 @@ class SuffixIndexes:
     by_tenant: dict[str, object] = field(default_factory=dict)
     stats: dict[str, SourceStats] = field(default_factory=lambda: {s: SourceStats() for s in SOURCES})
     rates: dict[str, DepthRates] = field(default_factory=lambda: {s: DepthRates() for s in SOURCES})
+    held_tokens: int = 0          # the indexes' size after the last output was added: read by other
+    held_bytes: int = 0           # threads (stats, /metrics), which must not call into an index
     _next_seq: int = 0
 
     def index_for(self, tenant: str | None, create: bool):
@@ -208,12 +210,8 @@ class SuffixIndexes:
         if len(tokens) >= 2:
             self._next_seq += 1
             self.index_for(tenant, True).append(self._next_seq, tokens)
-
-    def memory_bytes(self) -> int:
-        return sum(idx.memory_bytes() for idx in self.by_tenant.values())
-
-    def num_tokens(self) -> int:
-        return sum(_num_tokens(idx) for idx in self.by_tenant.values())
+            self.held_tokens = sum(idx.num_tokens for idx in self.by_tenant.values())
+            self.held_bytes = sum(idx.memory_bytes() for idx in self.by_tenant.values())
 
 
 def span(s: SuffixSettings) -> int:
@@ -223,11 +221,6 @@ def span(s: SuffixSettings) -> int:
 
 def max_depth(s: SuffixSettings, match_len: int, cap: int) -> int:
     return max(1, min(cap, int(math.ceil(s.match_factor * match_len)), 256))
-
-
-def _num_tokens(idx) -> int:
-    n = idx.num_tokens
-    return n() if callable(n) else n
 
 
 class SuffixLookup:
@@ -245,16 +238,20 @@ class SuffixLookup:
         if not isinstance(st, SuffixState):
             st = SuffixState(index_class()(span(s), 0))
             setattr(r, state_attr, st)
-        ids = r.token_ids
-        if st.indexed > len(ids):          # restored to an earlier step: index afresh
+        prompt, out = r.prompt_token_ids, r.output_token_ids    # (not r.token_ids: a copy per step)
+        total = len(prompt) + len(out)
+        if st.indexed > total:             # restored to an earlier step: index afresh
             st.index, st.indexed = index_class()(span(s), 0), 0
-        if len(ids) > st.indexed:
-            st.index.append(0, ids[st.indexed:])
-            st.indexed = len(ids)
+        if st.indexed < len(prompt):
+            st.index.append(0, prompt[st.indexed:])
+            st.indexed = len(prompt)
+        if st.indexed < total:
+            st.index.append(0, out[st.indexed - len(prompt):])
+            st.indexed = total
         st.tree = None
         if cap <= 0:
             return None
-        tail = ids[-s.max_match:]
+        tail = out[-s.max_match:] if len(out) >= s.max_match else (prompt + out)[-s.max_match:]
         best = None
         for source, idx in (("request", st.index), ("global", self.indexes.index_for(getattr(r, "tenant", None), False))):
             if idx is None:
@@ -290,8 +287,8 @@ class SuffixLookup:
 
     def source_stats(self) -> dict:
         out = {k: vars(v).copy() for k, v in self.indexes.stats.items()}
-        out["global"]["index_tokens"] = self.indexes.num_tokens()
-        out["global"]["index_bytes"] = self.indexes.memory_bytes()
+        out["global"]["index_tokens"] = self.indexes.held_tokens
+        out["global"]["index_bytes"] = self.indexes.held_bytes
         return out
 
 
