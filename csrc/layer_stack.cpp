@@ -106,11 +106,30 @@ class LayerStack {
   // embeddings, updated in place to the stream entering layer n-1's output), cos / sin [T, D];
   // kv_cache [layers, 2, blocks, block_size, Hkv, D]; the rest as the paged-attention kernel takes
   // them (tree_mask [T] int64 or None). Returns layer n-1's output delta [T, hidden] (not yet added to residual).
+  // capture_layers / capture [T, k, hidden]: the residual stream after each listed layer (< n) is copied
+  // into capture[:, j] (the fused low / middle / high features an EAGLE-3 draft reads).
   at::Tensor run(at::Tensor residual, const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                  const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& query_start_loc, int64_t max_q, int64_t max_s, int64_t n,
-                 const std::optional<at::Tensor>& tree_mask) const {
+                 const std::optional<at::Tensor>& tree_mask, const std::vector<int64_t>& capture_layers,
+                 const std::optional<at::Tensor>& capture) const {
     TORCH_CHECK_VALUE(n >= 1 && n <= size(), "n = ", n, " layers: the stack has ", size());
+    const int64_t K = static_cast<int64_t>(capture_layers.size());
+    TORCH_CHECK_VALUE(K == 0 || capture.has_value(), "capture_layers needs a capture tensor");
+    if (capture.has_value()) {
+      const at::Tensor& c = *capture;
+      TORCH_CHECK_VALUE(c.scalar_type() == dtype_ && c.dim() == 3 && c.size(0) == residual.size(0) &&
+                            c.size(1) == K && c.size(2) == residual.size(1) && c.is_contiguous() &&
+                            c.device().is_cpu(),
+                        "capture must be a contiguous [T, ", K, ", hidden] CPU tensor of the stack's dtype, got ",
+                        shape_str(c));
+      for (int64_t li : capture_layers)
+        TORCH_CHECK_VALUE(li >= 0 && li < n, "capture layer ", li, " is outside the ", n, " layers run");
+    }
+    auto take = [&](int64_t layer, const at::Tensor& stream) {  // stream [T, hidden] after `layer`
+      for (int64_t j = 0; j < K; ++j)
+        if (capture_layers[j] == layer) capture->select(1, j).copy_(stream);
+    };
     TORCH_CHECK_VALUE(residual.device().is_cpu() && residual.scalar_type() == dtype_ && residual.dim() == 2 &&
                           residual.is_contiguous(),
                       "residual must be a contiguous [T, hidden] CPU tensor of the stack's dtype");
@@ -142,6 +161,7 @@ class LayerStack {
                         " is out of range for kv_cache with ", kv_cache.size(0), " layers");
       at::Tensor h = rms_norm_cpu(delta.defined() ? delta : residual, l.norm1, l.eps1,
                                   delta.defined() ? residual : at::Tensor());  // [T, hidden]
+      if (i > 0 && K > 0) take(i - 1, residual);  // residual now holds layer i-1's output
       at::Tensor qkv = l.qkv(h);                                                // [T, (H + 2 Hkv) D]
       const at::Tensor q = rotary_write_kv_cpu(qkv, cos, sin, H_, Hkv_, kv_cache, l.index, slot_mapping,
                                                at::kFloat);  // [T, H, D] float32
@@ -153,6 +173,7 @@ class LayerStack {
       h = rms_norm_cpu(l.o(o.view({T, H_ * D_})), l.norm2, l.eps2, residual);  // residual += attention output
       delta = l.down(silu_mul_cpu(l.gate_up(h)));
     }
+    if (K > 0) take(n - 1, residual + delta);
     return delta;
   }
 
@@ -174,6 +195,7 @@ void bind_layer_stack(py::module_& m) {
       .def("run", &LayerStack::run, py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"),
            py::arg("max_q"), py::arg("max_s"), py::arg("n"), py::arg("tree_mask") = py::none(),
+           py::arg("capture_layers") = std::vector<int64_t>(), py::arg("capture") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }
 

@@ -94,6 +94,7 @@ class LLMEngine:
         if length is not None and not self.spec.draft_length_named:
             self.spec = replace(self.spec, max_draft_length=length)   # the drafter's own default K
         self._wants_hidden = bool(getattr(self.drafter, "wants_target_hidden", False))
+        self._hidden_layers = getattr(self.drafter, "target_hidden_layers", None) if self._wants_hidden else None
         configs = {"target": self.target.config, **(self.drafter.cache_configs() if self.drafter else {})}
         self.max_model_len = min(c.max_model_len for c in configs.values())
         if self.spec.max_model_len:
@@ -247,7 +248,8 @@ class LLMEngine:
             if self.drafter is not None:
                 self.drafter.mark_verify()
             logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
-                                         logits_indices=vb.logits_indices, all_hidden=self._wants_hidden)  # [R, V]
+                                         logits_indices=vb.logits_indices, all_hidden=self._wants_hidden,
+                                         hidden_layers=self._hidden_layers)  # [R, V]
             verified = accept(vb, logits, self._acceptance(), self.eos_token_ids)              # [B, K+1], [B]
             if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
                 if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order

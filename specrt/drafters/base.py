@@ -141,6 +141,8 @@ class Drafter:
     draft_params = None          # research hook: the sampling parameters of draft rows (None: the request's)
     wants_target_hidden = False  # the target's verify forward returns every fed row's final-normed
                                  # hidden state, handed to observe_target (feature drafts); others pay nothing
+    target_hidden_layers: tuple[int, ...] | None = None  # ... of these target layers, concatenated
+                                                         # (LlamaForCausalLM.forward hidden_layers)
 
     def cache_configs(self) -> dict:
         """KV caches this drafter needs beside the target's: {name: ModelConfig}."""

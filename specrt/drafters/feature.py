@@ -98,14 +98,16 @@ class FeatureDrafter(ReducedDrafter):
     def __init__(self, draft, settings: DraftSettings):
         """``draft``: a feature DraftModel bound to the target (``load_draft_for_target``)."""
         super().__init__(draft, settings)
-        H = draft.config.target_hidden_size
+        H = draft.config.feature_size
+        self.target_hidden_layers = draft.config.feature_layers  # EAGLE-3: the layers the verify returns
         # the zeros of unknown features before any verify was seen (later: the target's dtype)
         self._blank = torch.zeros(0, H, dtype=draft.norm.weight.dtype, device=settings.device)
 
     def size_bytes(self) -> int | None:
         """fc, its layers, norm and reduced head (the embedding rows it reads are the target's)."""
         lm = self.model
-        return module_bytes(self.draft.fc, *lm.model.layers, lm.model.norm, lm.lm_head)
+        extra = (self.draft.fuse,) if self.draft.fuse is not None else ()
+        return module_bytes(self.draft.fc, *extra, *lm.model.layers, lm.model.norm, lm.lm_head)
 
     def step_model(self) -> tuple[nn.Module, int | None]:
         return FeatureStep(self.draft), None

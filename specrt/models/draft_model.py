@@ -73,6 +73,14 @@ class DraftConfig:
     target_vocab_size: int
     target_hidden_size: int
     extra: dict = field(default_factory=dict)  # provenance: init layers, training summary
+    feature_layers: tuple[int, ...] | None = None  # EAGLE-3: target layers fused into the feature
+                                                   # (num_layers = the final-normed state); None: that alone
+    target_num_layers: int | None = None           # with feature_layers: the target's depth
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature one position hands the draft."""
+        return self.target_hidden_size * (1 if self.feature_layers is None else len(self.feature_layers))
 
     @property
     def hidden_size(self) -> int:
@@ -84,8 +92,14 @@ class DraftConfig:
         raw["specrt_draft"] = {"kind": self.kind, "draft_vocab_size": self.draft_vocab_size,
                                "target_vocab_size": self.target_vocab_size,
                                "target_hidden_size": self.target_hidden_size,
-                               "feature": "target final-normed hidden state at the previous position",
+                               "feature": "target final-normed hidden state at the previous position"
+                               if self.feature_layers is None else
+                               "the outputs of target layers feature_layers at the previous position, "
+                               "concatenated (num_layers = the final-normed state), projected by fuse",
                                **self.extra}
+        if self.feature_layers is not None:
+            raw["specrt_draft"].update(feature_layers=list(self.feature_layers),
+                                       target_num_layers=self.target_num_layers)
         return raw
 
     @classmethod
@@ -97,11 +111,20 @@ class DraftConfig:
         if spec.get("kind") not in KINDS:
             raise ValueError(f"{where}: specrt_draft.kind {spec.get('kind')!r} not in {KINDS}")
         layer = ModelConfig.from_json({**raw, "architectures": ["LlamaForCausalLM"]})
-        known = ("kind", "draft_vocab_size", "target_vocab_size", "target_hidden_size", "feature")
+        known = ("kind", "draft_vocab_size", "target_vocab_size", "target_hidden_size", "feature",
+                 "feature_layers", "target_num_layers")
+        fl, tl = spec.get("feature_layers"), spec.get("target_num_layers")
+        if fl is not None and (spec["kind"] != "feature" or not isinstance(fl, list) or len(fl) < 2
+                               or not isinstance(tl, int)
+                               or not all(isinstance(i, int) and 0 <= i <= tl for i in fl)):
+            raise ValueError(f"{where}: specrt_draft.feature_layers {fl!r} must be a list of >= 2 target "
+                             f"layer indices in [0, target_num_layers={tl!r}] (feature drafts only)")
         return cls(kind=spec["kind"], layer_config=layer, draft_vocab_size=int(spec["draft_vocab_size"]),
                    target_vocab_size=int(spec["target_vocab_size"]),
                    target_hidden_size=int(spec["target_hidden_size"]),
-                   extra={k: v for k, v in spec.items() if k not in known})
+                   extra={k: v for k, v in spec.items() if k not in known},
+                   feature_layers=None if fl is None else tuple(fl),
+                   target_num_layers=None if fl is None else tl)
 
 
 def is_draft_folder(path) -> bool:
@@ -125,6 +148,8 @@ class DraftModel(nn.Module):
             raise ValueError(f"draft_to_target {tuple(draft_to_target.shape)} != [{config.draft_vocab_size}]")
         self.config = config
         self.fc = nn.Linear(2 * H, H, bias=False) if config.kind == "feature" else None
+        # EAGLE-3: the target's low / middle / high features [k * H_t] projected to H
+        self.fuse = nn.Linear(config.feature_size, H, bias=False) if config.feature_layers is not None else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(lc, i) for i in range(lc.num_layers))
         self.norm = RMSNorm(H, lc.rms_norm_eps)
         self.register_buffer("draft_to_target", draft_to_target.to(torch.int64).clone())
@@ -217,10 +242,31 @@ class DraftModel(nn.Module):
         x = F.embedding(input_ids, self.embed)
         if self.fc is None:
             return x
-        if features is None or features.shape != x.shape:
-            raise ValueError(f"a feature draft needs features of shape {tuple(x.shape)}, got "
-                             f"{None if features is None else tuple(features.shape)}")
-        return self.fc(torch.cat([x, features.to(x.dtype)], -1))
+        widths = {x.shape[-1], self.config.feature_size}
+        if features is None or features.shape[:-1] != x.shape[:-1] or features.shape[-1] not in widths:
+            raise ValueError(f"a feature draft needs features of shape {tuple(x.shape[:-1])} + one of "
+                             f"{sorted(widths)}, got {None if features is None else tuple(features.shape)}")
+        return self.mix(x, features)
+
+    def mix(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc(concat(x, f)) [..., H]: ``features`` are the target's (fused by ``fuse`` when the draft
+        reads several layers, [..., feature_size]) or the draft's own states [..., H]."""
+        f = features.to(x.dtype)
+        if self.fuse is not None and f.shape[-1] == self.fuse.in_features and f.shape[-1] != x.shape[-1]:
+            f = self.fuse(self.normalize_layers(f))
+        return self.fc(torch.cat([x, f], -1))
+
+    def normalize_layers(self, f: torch.Tensor) -> torch.Tensor:
+        """[..., k H_t]: each inner layer's block RMS-normalised (no weight: residual streams carry
+        outliers of 10^4 at the first positions); the final-normed block as it is."""
+        cfg = self.config
+        Ht, parts = cfg.target_hidden_size, []
+        for j, li in enumerate(cfg.feature_layers):
+            blk = f[..., j * Ht:(j + 1) * Ht]
+            if li != cfg.target_num_layers:
+                blk = blk * torch.rsqrt(blk.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(blk.dtype)
+            parts.append(blk)
+        return torch.cat(parts, -1)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits [..., N] of final-normed states h [..., H]."""

@@ -333,7 +333,8 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor | None = None,
                 return_hidden: bool = False,
                 inputs_embeds: torch.Tensor | None = None,
-                all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                all_hidden: bool = False,
+                hidden_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step over a mixed batch.
 
         input_ids [T] int64 (all requests' new tokens concatenated, in request order);
@@ -346,6 +347,9 @@ class LlamaForCausalLM(nn.Module):
         all_hidden: return the final-normed hidden of EVERY row [T, hidden] (a feature drafter reads
         the prompt rows too), logits still only at logits_indices; the norm is per row, so the
         logits are bit-identical either way.
+        hidden_layers: the returned hidden concatenates, per row, the residual stream after each
+        listed layer (index num_layers = the final-normed state): [L or T, len * hidden] (the
+        fused low / middle / high features an EAGLE-3 draft reads). None: the final-normed state.
         Returns (logits [L, V] float32, final-normed hidden [L, hidden] ([T, hidden] with
         all_hidden) or None).
         """
@@ -376,13 +380,19 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, x.dtype, max_seq)  # [T, D] each
         rows = None if all_hidden else logits_indices  # the rows the final norm runs on (None: all)
+        capture = _capture_layers(hidden_layers, n)  # layers whose output stream is kept
+        taken = None  # [T, len(capture), hidden]
         if self._fused and x.dtype == self.dtype and kv_cache.dtype in ops.FUSED_DTYPES and kv_cache.is_cpu:
-            h = self._forward_fused(x, cos, sin, meta, kv_cache, n, rows)  # [L or T, hidden]
+            h, taken = self._forward_fused(x, cos, sin, meta, kv_cache, n, rows, capture)  # [L or T, hidden]
         else:
             cos, sin = rope_operands(cos, sin)  # [T, 1, D] each
             layers = self.model.layers
+            kept = {}
             for i in range(n):
                 x = layers[i].forward(x, cos, sin, meta, kv_cache)
+                if i in capture:
+                    kept[i] = x.clone()
+            taken = torch.stack([kept[i] for i in capture], 1) if capture else None
             if rows is not None:
                 x = x.index_select(0, rows)
             norm = self.model.norm
@@ -391,25 +401,59 @@ class LlamaForCausalLM(nn.Module):
         if all_hidden and logits_indices is not None:
             h = h.index_select(0, logits_indices)  # [L, hidden]
         logits = self._lm_head(h).float()  # [L, V]
-        return logits, (h_all if all_hidden else h if return_hidden else None)
+        hidden = h_all if all_hidden else h if return_hidden else None
+        if hidden is not None and hidden_layers is not None:
+            hidden = _fuse_hidden(hidden_layers, n, taken, hidden, rows)
+        return logits, hidden
 
-    def _forward_fused(self, x, cos, sin, meta, kv_cache, n: int, logits_indices) -> torch.Tensor:
+    def _forward_fused(self, x, cos, sin, meta, kv_cache, n: int, logits_indices, capture: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layers 0..n-1 and the final norm on the fused CPU kernels. x [T, hidden] (the embeddings)
-        becomes the residual stream, updated in place; returns the final-normed rows [L, hidden]."""
+        becomes the residual stream, updated in place; returns (the final-normed rows [L, hidden],
+        the stream after each ``capture`` layer [T, len(capture), hidden] or None)."""
         kb = kernel_batch(meta)  # decode / verify batches: every request on the attention kernel
         stack = self._stack if self.layer_stack else None
+        taken = x.new_empty(x.shape[0], len(capture), x.shape[1]) if capture else None
         if stack is not None and kb is not None and x.shape[0] <= self.linear_policy.max_rows and x.is_contiguous():
             delta = stack.run(x, cos, sin, kv_cache, meta.slot_mapping, kb.block_tables, kb.seq_lens,
                               kb.query_start_loc, kb.max_q, kb.max_s, n,
-                              kb.tree_rows(x.shape[0]))  # the loop below, in C++
+                              kb.tree_rows(x.shape[0]), capture, taken)  # the loop below, in C++
         else:
             layer_caches = kv_cache.unbind(0)  # one call for every layer's view
             layers = self.model.layers
             delta = None
             for i in range(n):
                 delta = layers[i].forward_fused(x, delta, cos, sin, meta, kv_cache, layer_caches[i], kb)
+                for j, li in enumerate(capture):
+                    if li == i:
+                        torch.add(x, delta, out=taken[:, j])
         norm = self.model.norm
         if logits_indices is None:
-            return _ADD_NORM(x, delta, norm.weight, norm.eps)
+            return _ADD_NORM(x, delta, norm.weight, norm.eps), taken
         x.add_(delta)  # rounds as the fused add does
-        return _NORM(x.index_select(0, logits_indices), norm.weight, norm.eps)
+        return _NORM(x.index_select(0, logits_indices), norm.weight, norm.eps), taken
+
+
+def _capture_layers(hidden_layers, n: int) -> list[int]:
+    """The decoder layers (< n) whose output stream ``hidden_layers`` asks for (n = the final norm)."""
+    if hidden_layers is None:
+        return []
+    if not hidden_layers or any(not 0 <= int(i) <= n for i in hidden_layers):
+        raise ValueError(f"hidden_layers {tuple(hidden_layers)} must be layer indices in [0, {n}] "
+                         f"({n} = the final-normed state)")
+    return [int(i) for i in hidden_layers if int(i) < n]
+
+
+def _fuse_hidden(hidden_layers, n: int, taken, final: torch.Tensor, rows) -> torch.Tensor:
+    """[R, len(hidden_layers) * hidden]: each listed layer's stream (rows ``rows`` of the captured
+    [T, k, hidden]; None = all) with the final-normed ``final`` [R, hidden] at index n."""
+    if taken is not None and rows is not None:
+        taken = taken.index_select(0, rows)
+    parts, j = [], 0
+    for i in hidden_layers:
+        if int(i) == n:
+            parts.append(final)
+        else:
+            parts.append(taken[:, j].to(final.dtype))
+            j += 1
+    return torch.cat(parts, -1)

@@ -21,6 +21,7 @@ Stages (each resumes from what an interrupted run left in ``--work``, default ``
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import time
@@ -103,26 +104,46 @@ def build_data(args, target, tokenizer, work: str, log=print):
     """Stage 1: the teacher store of the training data (and of the held-out prompts)."""
     from specrt.training.onpolicy import corpus_sequences
     from specrt.training.teacher import build_teacher_store, generate_store, load_teacher
+    from specrt.training.teacher_store import open_teacher_store
 
     train_dir = os.path.join(work, "train")
     feats = args.arch == "feature"
+    layers = feature_layers(args, target.config.num_layers)
     if args.corpus:
         seq_dir = os.path.join(work, "corpus_seqs")
         os.makedirs(seq_dir, exist_ok=True)
         if not os.path.exists(os.path.join(seq_dir, "seqs_00000.pt")):
             corpus_sequences(args.corpus, tokenizer, args.max_len).save(os.path.join(seq_dir, "seqs_00000.pt"))
-        build_teacher_store(target, seq_dir, train_dir, args.topk, feats, log=log)
-    else:
+        build_teacher_store(target, seq_dir, train_dir, args.topk, feats, log=log, hidden_layers=layers)
+    elif args.num_prompts:
         temps = [float(t) for t in args.temperatures.split(",")]
         generate_store(target, tokenizer, train_dir, "train", args.num_prompts, args.gen_batch,
-                       args.max_new_tokens, temps, args.topk, feats, args.seed, log=log)
+                       args.max_new_tokens, temps, args.topk, feats, args.seed, log=log, hidden_layers=layers)
     heldout = None
     if args.heldout_prompts:
-        held_dir = os.path.join(work, "heldout")
+        held_dir = os.path.join(work, "heldout" if layers is None else "heldout-" + "-".join(map(str, layers)))
         generate_store(target, tokenizer, held_dir, "heldout", args.heldout_prompts, args.gen_batch,
-                       min(args.max_new_tokens, 128), [0.0], args.topk, True, args.seed, log=log)
+                       min(args.max_new_tokens, 128), [0.0], args.topk, True, args.seed, log=log,
+                       hidden_layers=layers)
         heldout = load_teacher(held_dir)
-    return load_teacher(train_dir), heldout
+    folders = [d for d in [train_dir, *args.extra_data] if glob.glob(os.path.join(d, "teacher_*.safetensors"))]
+    if not folders:
+        raise ValueError(f"no training data: {train_dir} has no teacher shards and no --extra-data was given")
+    return open_teacher_store(folders), heldout
+
+
+def feature_layers(args, num_layers: int) -> tuple[int, ...] | None:
+    """The target layers an EAGLE-3 draft reads (``--feature-layers``): auto = a low, a middle and
+    the final-normed state (index num_layers); "final" = the final-normed state alone."""
+    if args.arch != "feature" or args.feature_layers == "final":
+        return None
+    if args.feature_layers == "auto":
+        return (min(2, num_layers - 1), num_layers // 2, num_layers)
+    layers = tuple(_ints(args.feature_layers, "--feature-layers"))
+    if len(layers) < 2 or any(not 0 <= i <= num_layers for i in layers):
+        raise ValueError(f"--feature-layers {args.feature_layers!r}: >= 2 indices in [0, {num_layers}] "
+                         f"({num_layers} = the final-normed state), 'auto' or 'final'")
+    return layers
 
 
 def run(args, log=print) -> dict:
@@ -130,7 +151,7 @@ def run(args, log=print) -> dict:
     from specrt.models.draft_model import DraftModel
     from specrt.training.draft_eval import chain_acceptance
     from specrt.training.draft_train import TrainConfig, init_draft, train_draft
-    from specrt.training.vocab import build_reduced_vocab, teacher_mass, token_counts
+    from specrt.training.vocab import build_reduced_vocab, token_counts
 
     torch.set_num_threads(args.threads)
     src = resolve_target(args.target)
@@ -144,8 +165,7 @@ def run(args, log=print) -> dict:
     gen_mask = torch.cat([torch.arange(int(store.offsets[s]) + int(store.prompt_lens[s]), int(store.offsets[s + 1]))
                           for s in range(store.num_sequences)])
     produced = store.token_ids[gen_mask] if gen_mask.numel() else store.token_ids
-    counts = token_counts(produced, target.config.vocab_size) + teacher_mass(
-        store.topk_ids, store.topk_logprobs, target.config.vocab_size)
+    counts = token_counts(produced, target.config.vocab_size) + store.teacher_mass(target.config.vocab_size)
     n = choose_vocab_size(counts, args.vocab)
     vocab = build_reduced_vocab(counts, n, always=tokenizer.eos_token_ids)
     log(f"data: {store.num_sequences} sequences, {store.token_ids.numel()} positions ({produced.numel()} produced "
@@ -158,12 +178,19 @@ def run(args, log=print) -> dict:
     else:
         layers = choose_layers(target, store, vocab, args.num_layers, log=log)
     target_f32 = target.float()  # trainable copies are made in fp32
-    draft = init_draft(target_f32, args.arch, layers, vocab, args.fc_init)
+    draft = init_draft(target_f32, args.arch, layers, vocab, args.fc_init,
+                       feature_layers(args, target.config.num_layers))
     if args.init_from:
         warm_start(draft, args.init_from, log)
     cfg = TrainConfig(steps=args.steps, budget_s=args.budget_min * 60, lr=args.lr, warmup=args.warmup,
-                      batch_tokens=args.batch_tokens, chain_steps=args.chain_steps, seed=args.seed)
-    summary = train_draft(draft, store, vocab, cfg, os.path.join(work, f"ckpt_{args.arch}.pt"), log=log)
+                      batch_tokens=args.batch_tokens, chain_steps=args.chain_steps, seed=args.seed,
+                      eval_every=args.eval_every if heldout is not None else 0, device=args.device)
+    evaluate = None
+    if heldout is not None:
+        evaluate = lambda d: chain_acceptance(d, heldout, k=4)  # noqa: E731
+    summary = train_draft(draft, store, vocab, cfg, os.path.join(work, f"ckpt_{args.arch}.pt"), log=log,
+                          evaluate=evaluate)
+    draft.cpu()
 
     os.makedirs(args.out, exist_ok=True)
     draft.config.extra.update(distill={"target": str(args.target), "data_positions": int(store.token_ids.numel()),
@@ -176,7 +203,11 @@ def run(args, log=print) -> dict:
     if heldout is not None:
         saved = DraftModel.from_pretrained(args.out, target_f32)
         summary["heldout"] = chain_acceptance(saved, heldout, k=4)
-        log(f"held-out acceptance: {json.dumps(summary['heldout'])}")
+        held_gen = torch.cat([torch.arange(int(heldout.offsets[s]) + int(heldout.prompt_lens[s]),
+                                           int(heldout.offsets[s + 1])) for s in range(heldout.num_sequences)])
+        summary["heldout_vocab_coverage"] = round(vocab.coverage(heldout.token_ids[held_gen]), 4)
+        log(f"held-out acceptance: {json.dumps(summary['heldout'])}; the draft vocabulary holds "
+            f"{summary['heldout_vocab_coverage']:.4f} of the target's greedy held-out tokens")
     with open(os.path.join(args.out, "distill_summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     return summary
@@ -191,16 +222,19 @@ def warm_start(draft, folder: str, log=print) -> None:
     if src.config.kind != draft.config.kind or len(src.layers) != len(draft.layers):
         raise ValueError(f"--init-from {folder}: a {src.config.kind} draft of {len(src.layers)} layers cannot "
                          f"start a {draft.config.kind} draft of {len(draft.layers)} layers")
-    state = {k: v for k, v in src.state_dict().items() if k != "draft_to_target"}
+    # a single-feature draft starts an EAGLE-3 one: its fuse keeps init_fuse's pass-through
+    skip = {"draft_to_target"} | ({"fuse.weight"} if src.config.feature_layers != draft.config.feature_layers
+                                  else set())
+    state = {k: v for k, v in src.state_dict().items() if k not in skip}
     draft.load_state_dict(state, strict=False)
     log(f"warm start from {folder} ({len(state)} tensors)")
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str, name: str = "--layers") -> list[int]:
     try:
         return [int(i) for i in text.split(",")]
     except ValueError:
-        raise ValueError(f"--layers must be 'auto' or comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{name} must be 'auto' or comma-separated integers, got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", default="auto", help="target layer indices 'i,j,..' or auto")
     ap.add_argument("--num-layers", type=int, default=2,
                     help="draft depth for --layers auto (a 1-layer feature draft starts from the last layer)")
+    ap.add_argument("--feature-layers", default="auto",
+                    help="feature drafts (EAGLE-3): target layers 'i,j,..' whose outputs are fused "
+                         "(num_layers = the final-normed state); auto = low, middle, final; 'final' = that alone")
+    ap.add_argument("--extra-data", nargs="*", default=[],
+                    help="more teacher stores (folders of teacher_*.safetensors, e.g. specrt.training.teacher's)")
+    ap.add_argument("--eval-every", type=int, default=200, help="steps between held-out evaluations")
+    ap.add_argument("--device", default="cpu", help="train on cpu (threads) or cuda[:i]")
     ap.add_argument("--fc-init", choices=["embed", "sum"], default="embed",
                     help="feature drafts: fc starts as [I, 0] (the layer draft) or [I, I]")
     ap.add_argument("--corpus", nargs="+", default=None, help="text / JSONL files instead of on-policy data")

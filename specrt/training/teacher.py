@@ -50,6 +50,26 @@ class TeacherShard:
     def sequence(self, s: int) -> slice:
         return slice(int(self.offsets[s]), int(self.offsets[s + 1]))
 
+    @property
+    def feature_width(self) -> int | None:
+        return None if self.features is None else self.features.shape[1]
+
+    @property
+    def num_positions(self) -> int:
+        return self.token_ids.shape[0]
+
+    def sequence_rows(self, s: int):
+        """Sequence s: (token ids [n], top-k ids [n, k], top-k log-probs [n, k], features [n, F] | None)
+        (teacher_store.TeacherStore's interface)."""
+        sl = self.sequence(s)
+        return (self.token_ids[sl], self.topk_ids[sl], self.topk_logprobs[sl],
+                None if self.features is None else self.features[sl])
+
+    def teacher_mass(self, vocab_size: int) -> torch.Tensor:
+        from specrt.training.vocab import teacher_mass
+
+        return teacher_mass(self.topk_ids, self.topk_logprobs, vocab_size)
+
     def save(self, path: str) -> None:
         from safetensors.torch import save_file
 
@@ -91,8 +111,10 @@ def load_teacher(folder: str) -> TeacherShard:
 
 
 @torch.no_grad()
-def target_outputs(target, seqs: list[list[int]], block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    """One prefill of ``seqs`` through specrt's model: (logits [N, V] float32, final-normed hidden [N, H])."""
+def target_outputs(target, seqs: list[list[int]], block_size: int = 16, hidden_layers=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One prefill of ``seqs`` through specrt's model: (logits [N, V] float32, final-normed hidden [N, H],
+    or [N, k H] the outputs of ``hidden_layers`` concatenated)."""
     from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
 
     lens = [len(s) for s in seqs]
@@ -105,11 +127,11 @@ def target_outputs(target, seqs: list[list[int]], block_size: int = 16) -> tuple
     meta = AttentionMetadata.build(lens, lens, tables, block_size, target.device)
     ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=target.device)
     pos = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64, device=target.device)
-    return target(ids, pos, meta, cache, return_hidden=True)
+    return target(ids, pos, meta, cache, return_hidden=True, hidden_layers=hidden_layers)
 
 
 def sparse_targets(target, seqs: list[list[int]], prompt_lens: list[int], k: int, features: bool,
-                   max_tokens_per_forward: int = 2048) -> TeacherShard:
+                   max_tokens_per_forward: int = 2048, hidden_layers=None) -> TeacherShard:
     """Top-k log-probabilities (and features) of the target at every position of ``seqs``."""
     ids_l, lp_l, feat_l = [], [], []
     i = 0
@@ -118,7 +140,7 @@ def sparse_targets(target, seqs: list[list[int]], prompt_lens: list[int], k: int
         while j < len(seqs) and (j == i or n + len(seqs[j]) <= max_tokens_per_forward):
             n += len(seqs[j])
             j += 1
-        logits, hidden = target_outputs(target, seqs[i:j])
+        logits, hidden = target_outputs(target, seqs[i:j], hidden_layers=hidden_layers)
         lp = torch.log_softmax(logits, -1)  # [n, V]
         top = lp.topk(k, -1)
         ids_l.append(top.indices.to(torch.int32))
@@ -156,13 +178,14 @@ def _record(row: _Row, logits: torch.Tensor, hidden: torch.Tensor, k: int, featu
 @torch.no_grad()
 def generate_and_record(target, prompts: list[list[int]], temperatures: list[float], max_new_tokens: int,
                         k: int, eos_ids: list[int], features: bool = True, seed: int = 0,
-                        block_size: int = 16, max_prefill_tokens: int = 2048) -> TeacherShard:
+                        block_size: int = 16, max_prefill_tokens: int = 2048, hidden_layers=None) -> TeacherShard:
     """On-policy data and its teacher targets in ONE pass: the target continues every prompt
     (batched decoding through specrt's model and paged KV cache; greedy at temperature 0, else
     sampled from the stored top-k, i.e. top-k sampling) and the logits / hidden states it
     computes anyway are stored sparsely. A
     sequence is stored up to its second-to-last token, so every stored position has the
-    teacher row that predicts the next token (the last row predicts the final token)."""
+    teacher row that predicts the next token (the last row predicts the final token).
+    hidden_layers: store those layers' outputs concatenated as the features (an EAGLE-3 draft)."""
     from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
 
     dev = target.device
@@ -182,7 +205,7 @@ def generate_and_record(target, prompts: list[list[int]], temperatures: list[flo
         meta = AttentionMetadata.build(lens, lens, [r.table for r in rows[i:j]], block_size, dev)
         ids = torch.tensor([t for r in rows[i:j] for t in r.tokens], dtype=torch.int64, device=dev)
         pos = torch.tensor([p for m in lens for p in range(m)], dtype=torch.int64, device=dev)
-        logits, hidden = target(ids, pos, meta, cache, return_hidden=True)
+        logits, hidden = target(ids, pos, meta, cache, return_hidden=True, hidden_layers=hidden_layers)
         for r, lg, hd in zip(rows[i:j], logits.split(lens), hidden.split(lens)):
             _record(r, lg, hd, k, features)
         i = j
@@ -198,7 +221,7 @@ def generate_and_record(target, prompts: list[list[int]], temperatures: list[flo
         meta = AttentionMetadata.build(lens, [1] * len(active), [r.table for r in active], block_size, dev)
         ids = torch.tensor([r.tokens[-1] for r in active], dtype=torch.int64, device=dev)
         pos = torch.tensor([m - 1 for m in lens], dtype=torch.int64, device=dev)
-        logits, hidden = target(ids, pos, meta, cache, return_hidden=True)
+        logits, hidden = target(ids, pos, meta, cache, return_hidden=True, hidden_layers=hidden_layers)
         for b, r in enumerate(active):
             _record(r, logits[b:b + 1], hidden[b:b + 1], k, features)
     return _rows_to_shard(rows, features)
@@ -230,7 +253,7 @@ def _rows_to_shard(rows: list[_Row], features: bool) -> TeacherShard:
 
 
 def build_teacher_store(target, seq_folder: str, out: str, k: int = 32, features: bool = True,
-                        log=print) -> None:
+                        log=print, hidden_layers=None) -> None:
     """teacher_<i>.safetensors for every seqs_<i>.pt of ``seq_folder`` that has none yet."""
     from specrt.training.onpolicy import SequenceShard, shard_paths
 
@@ -243,19 +266,22 @@ def build_teacher_store(target, seq_folder: str, out: str, k: int = 32, features
             continue
         t0 = time.time()
         s = SequenceShard.load(path)
-        sparse_targets(target, s.token_ids, s.prompt_lens, k, features).save(dst)
+        sparse_targets(target, s.token_ids, s.prompt_lens, k, features, hidden_layers=hidden_layers).save(dst)
         total += s.num_tokens
         log(f"{name}: {s.num_tokens} positions in {time.time() - t0:.0f}s "
             f"({s.num_tokens / (time.time() - t0):.0f} tok/s; {total} total, {time.time() - t_start:.0f}s)")
 
 
 def generate_store(target, tokenizer, out: str, split: str, num_prompts: int, batch: int, max_new_tokens: int,
-                   temperatures: list[float], k: int = 32, features: bool = True, seed: int = 0, log=print) -> None:
-    """On-policy shards teacher_<i>.safetensors of ``batch`` built-in prompts each (resumable)."""
+                   temperatures: list[float], k: int = 32, features: bool = True, seed: int = 0, log=print,
+                   hidden_layers=None, prompt_records=None) -> None:
+    """On-policy shards teacher_<i>.safetensors of ``batch`` built-in prompts each (resumable;
+    ``prompt_records``: these prompts instead, as specrt.training.prompts builds them)."""
     from specrt.training.prompts import build_prompts, render
 
     os.makedirs(out, exist_ok=True)
-    prompts = [render(p, tokenizer) for p in build_prompts(split, num_prompts, seed)]
+    records = prompt_records if prompt_records is not None else build_prompts(split, num_prompts, seed)
+    prompts = [render(p, tokenizer) for p in records]
     t_start, total = time.time(), 0
     for shard, start in enumerate(range(0, len(prompts), batch)):
         dst = os.path.join(out, f"teacher_{shard:05d}.safetensors")
@@ -265,7 +291,7 @@ def generate_store(target, tokenizer, out: str, split: str, num_prompts: int, ba
         chunk = prompts[start:start + batch]
         temps = [temperatures[(start + i) % len(temperatures)] for i in range(len(chunk))]
         st = generate_and_record(target, chunk, temps, max_new_tokens, k, tokenizer.eos_token_ids, features,
-                                 seed=seed * 1_000_003 + shard)
+                                 seed=seed * 1_000_003 + shard, hidden_layers=hidden_layers)
         st.save(dst)
         n = st.token_ids.numel()
         total += n
@@ -288,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", default="0,0.7,1.0,0", help="cycled over the prompts")
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--no-features", action="store_true", help="layer drafts only: skip the hidden states")
+    ap.add_argument("--feature-layers", default=None,
+                    help="EAGLE-3 features: target layers 'i,j,..' whose outputs are stored concatenated "
+                         "(num_layers = the final-normed state); default the final-normed state alone")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -296,12 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     from specrt.models import load_model, load_tokenizer
 
     target = load_model(args.target, dtype=args.dtype)
+    layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(","))
     if args.seqs:
-        build_teacher_store(target, args.seqs, args.out, args.topk, not args.no_features)
+        build_teacher_store(target, args.seqs, args.out, args.topk, not args.no_features, hidden_layers=layers)
     else:
         generate_store(target, load_tokenizer(args.target), args.out, args.split, args.num_prompts, args.batch,
                        args.max_new_tokens, [float(t) for t in args.temperatures.split(",")], args.topk,
-                       not args.no_features, args.seed)
+                       not args.no_features, args.seed, hidden_layers=layers)
     return 0
 
 
