@@ -221,3 +221,28 @@ def test_training_keeps_the_best_held_out_weights_and_resumes_them(tmp_path, tar
     assert s2["positions_trained"] > s1["positions_trained"]
     for k, v in d.state_dict().items():
         assert torch.equal(v, start[k]), k  # the final weights scored worse: the start is kept
+
+
+def test_text_store_teacher_forces_source_text_in_resumable_shards(tmp_path, target, monkeypatch):
+    from specrt.models import load_tokenizer
+    from specrt.training import sources
+    from specrt.training.teacher import text_store
+    texts = {"a": ["def f(x):\n    return x + 1\n" * 30, "short text here"], "b": ["class A:\n    pass\n" * 50]}
+    monkeypatch.setattr(sources, "source_texts", lambda name, split: texts[name])
+    tok = load_tokenizer(os.path.join(BUILTIN, "target"))
+    out = str(tmp_path / "text")
+    text_store(target, tok, out, ["a", "b"], "train", max_len=64, k=8, hidden_layers=LAYERS,
+               shard_positions=200, log=lambda *_: None)
+    store = open_teacher_store([out])
+    want = []
+    for t in texts["a"] + texts["b"]:
+        ids = tok.encode(t)
+        want += [ids[i:i + 64] for i in range(0, len(ids), 64) if len(ids[i:i + 64]) > 1]
+    assert store.num_sequences == len(want) and len(store.shards) > 1
+    assert sorted(tuple(store.sequence_rows(s)[0].tolist()) for s in range(store.num_sequences)) == \
+        sorted(tuple(w) for w in want)
+    assert store.feature_width == 768 and int(store.prompt_lens.max()) == 1  # every position is trained
+    first = os.path.getmtime(os.path.join(out, "teacher_00000.safetensors"))
+    text_store(target, tok, out, ["a", "b"], "train", max_len=64, k=8, hidden_layers=LAYERS,
+               shard_positions=200, log=lambda *_: None)
+    assert os.path.getmtime(os.path.join(out, "teacher_00000.safetensors")) == first  # resumed: nothing redone

@@ -103,7 +103,7 @@ def choose_layers(target, store, vocab, num_layers: int = 2, candidates: int = 4
 def build_data(args, target, tokenizer, work: str, log=print):
     """Stage 1: the teacher store of the training data (and of the held-out prompts)."""
     from specrt.training.onpolicy import corpus_sequences
-    from specrt.training.teacher import build_teacher_store, generate_store, load_teacher
+    from specrt.training.teacher import build_teacher_store, generate_store, load_teacher, text_store
     from specrt.training.teacher_store import open_teacher_store
 
     train_dir = os.path.join(work, "train")
@@ -117,8 +117,17 @@ def build_data(args, target, tokenizer, work: str, log=print):
         build_teacher_store(target, seq_dir, train_dir, args.topk, feats, log=log, hidden_layers=layers)
     elif args.num_prompts:
         temps = [float(t) for t in args.temperatures.split(",")]
+        records = None
+        if args.prompts == "sources":
+            from specrt.training.sources import mixed_prompts
+            records = mixed_prompts("train", args.num_prompts, args.seed)
         generate_store(target, tokenizer, train_dir, "train", args.num_prompts, args.gen_batch,
-                       args.max_new_tokens, temps, args.topk, feats, args.seed, log=log, hidden_layers=layers)
+                       args.max_new_tokens, temps, args.topk, feats, args.seed, log=log, hidden_layers=layers,
+                       prompt_records=records)
+    text_dir = os.path.join(work, "text")
+    if args.text_sources:
+        text_store(target, tokenizer, text_dir, args.text_sources.split(","), "train", args.max_len, args.topk,
+                   feats, layers, log=log)
     heldout = None
     if args.heldout_prompts:
         held_dir = os.path.join(work, "heldout" if layers is None else "heldout-" + "-".join(map(str, layers)))
@@ -126,7 +135,7 @@ def build_data(args, target, tokenizer, work: str, log=print):
                        min(args.max_new_tokens, 128), [0.0], args.topk, True, args.seed, log=log,
                        hidden_layers=layers)
         heldout = load_teacher(held_dir)
-    folders = [d for d in [train_dir, *args.extra_data] if glob.glob(os.path.join(d, "teacher_*.safetensors"))]
+    folders = [d for d in [train_dir, text_dir, *args.extra_data] if glob.glob(os.path.join(d, "teacher_*.safetensors"))]
     if not folders:
         raise ValueError(f"no training data: {train_dir} has no teacher shards and no --extra-data was given")
     return open_teacher_store(folders), heldout
@@ -262,7 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="feature drafts: fc starts as [I, 0] (the layer draft) or [I, I]")
     ap.add_argument("--corpus", nargs="+", default=None, help="text / JSONL files instead of on-policy data")
     ap.add_argument("--max-len", type=int, default=512, help="--corpus: tokens per sequence")
-    ap.add_argument("--num-prompts", type=int, default=512, help="on-policy: built-in training prompts")
+    ap.add_argument("--num-prompts", type=int, default=512, help="on-policy: training prompts the target answers")
+    ap.add_argument("--prompts", choices=["sources", "builtin"], default="sources",
+                    help="sources: mixed from every installed source (specrt.training.sources: stdlib code, "
+                         "HumanEval, Python docs, chat); builtin: specrt's prompt templates alone")
+    ap.add_argument("--text-sources", default="",
+                    help="also teacher-force the raw text of these sources 'a,b' (e.g. "
+                         "stdlib-code,python-reference,stdlib-docstrings): fast positions without decoding")
     ap.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts to evaluate on (0 = skip)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--temperatures", default="0,0.7,1.0,0", help="on-policy sampling temperatures (cycled)")

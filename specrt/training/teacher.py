@@ -300,6 +300,38 @@ def generate_store(target, tokenizer, out: str, split: str, num_prompts: int, ba
             f"({n / (time.time() - t0):.0f} positions/s; {total} total, {time.time() - t_start:.0f}s)")
 
 
+def text_store(target, tokenizer, out: str, names: list[str], split: str, max_len: int = 512, k: int = 32,
+               features: bool = True, hidden_layers=None, shard_positions: int = 65536, log=print) -> None:
+    """Teacher-forced shards teacher_<i>.safetensors of the raw text of ``names``
+    (specrt.training.sources: code, documentation), as sequences of at most ``max_len`` tokens
+    (every position trained on); one batched prefill per 2,048 tokens (resumable by shard)."""
+    from specrt.training.sources import source_texts
+
+    seqs: list[list[int]] = []
+    for name in names:
+        for text in source_texts(name, split):
+            ids = tokenizer.encode(text)
+            seqs += [ids[i:i + max_len] for i in range(0, len(ids), max_len) if len(ids[i:i + max_len]) > 1]
+    order = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(0)).tolist()
+    seqs = [seqs[i] for i in order]  # shards mix the sources
+    os.makedirs(out, exist_ok=True)
+    t_start, total, shard, i = time.time(), 0, 0, 0
+    log(f"{len(seqs)} sequences, {sum(map(len, seqs))} positions of {names} ({split})")
+    while i < len(seqs):
+        j, n = i, 0
+        while j < len(seqs) and (j == i or n + len(seqs[j]) <= shard_positions):
+            n += len(seqs[j])
+            j += 1
+        dst = os.path.join(out, f"teacher_{shard:05d}.safetensors")
+        if not os.path.exists(dst):
+            t0 = time.time()
+            sparse_targets(target, seqs[i:j], [1] * (j - i), k, features, hidden_layers=hidden_layers).save(dst)
+            total += n
+            log(f"{os.path.basename(dst)}: {j - i} sequences, {n} positions in {time.time() - t0:.0f}s "
+                f"({n / (time.time() - t0):.0f} positions/s; {total} total, {time.time() - t_start:.0f}s)")
+        shard, i = shard + 1, j
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrt.training.teacher", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default=None, help="teacher pass over a folder of seqs_*.pt (specrt.training.onpolicy)")
     ap.add_argument("--split", choices=["train", "heldout"], default="train",
                     help="without --seqs: generate on-policy from this built-in prompt split")
+    ap.add_argument("--sources", action="store_true",
+                    help="on-policy answers to prompts mixed from every installed source "
+                         "(specrt.training.sources: stdlib code, HumanEval, Python docs, chat) "
+                         "instead of the built-in templates alone")
+    ap.add_argument("--text-sources", default=None,
+                    help="teacher-forced raw text of these sources 'a,b' (e.g. stdlib-code,python-reference)")
+    ap.add_argument("--max-len", type=int, default=512, help="--text-sources: tokens per sequence")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=192)
@@ -328,10 +367,17 @@ def main(argv: list[str] | None = None) -> int:
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(","))
     if args.seqs:
         build_teacher_store(target, args.seqs, args.out, args.topk, not args.no_features, hidden_layers=layers)
+    elif args.text_sources:
+        text_store(target, load_tokenizer(args.target), args.out, args.text_sources.split(","), args.split,
+                   args.max_len, args.topk, not args.no_features, layers)
     else:
+        records = None
+        if args.sources:
+            from specrt.training.sources import mixed_prompts
+            records = mixed_prompts(args.split, args.num_prompts, args.seed)
         generate_store(target, load_tokenizer(args.target), args.out, args.split, args.num_prompts, args.batch,
                        args.max_new_tokens, [float(t) for t in args.temperatures.split(",")], args.topk,
-                       not args.no_features, args.seed, hidden_layers=layers)
+                       not args.no_features, args.seed, hidden_layers=layers, prompt_records=records)
     return 0
 
 
