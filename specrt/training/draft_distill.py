@@ -167,7 +167,7 @@ def run(args, log=print) -> dict:
     work = args.work or args.out.rstrip("/") + ".work"
     os.makedirs(work, exist_ok=True)
     t0 = time.time()
-    target = load_model(src, dtype=args.dtype)
+    target = load_model(src, dtype=args.dtype, device=args.device)  # the data pass runs where training does
     tokenizer = load_tokenizer(src)
     store, heldout = build_data(args, target, tokenizer, work, log)
     data_s = time.time() - t0
@@ -200,6 +200,7 @@ def run(args, log=print) -> dict:
     summary = train_draft(draft, store, vocab, cfg, os.path.join(work, f"ckpt_{args.arch}.pt"), log=log,
                           evaluate=evaluate)
     draft.cpu()
+    target_f32 = target_f32.cpu()
 
     os.makedirs(args.out, exist_ok=True)
     draft.config.extra.update(distill={"target": str(args.target), "data_positions": int(store.token_ids.numel()),

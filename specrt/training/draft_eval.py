@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from specrt.training.draft_train import chain_states, collate
+from specrt.training.draft_train import chain_states, collate, to_device
 
 
 @torch.no_grad()
@@ -41,13 +41,15 @@ def chain_acceptance(draft, store, k: int = 4, temperature: float = 0.7, batch: 
     for i in range(0, store.num_sequences, batch):
         seqs = list(range(i, min(i + batch, store.num_sequences)))
         b = collate(store, seqs, feature)
-        states = chain_states(draft, b.input_ids, b.features, k if feature else 1)
+        on = to_device(b, draft.norm.weight.device)  # a CUDA draft evaluates there
+        states = chain_states(draft, on.input_ids, on.features, k if feature else 1)
         states = states + [states[0]] * (k - len(states))  # a layer draft's steps are all step 0
         match, alpha = [], []
+        t2d = vocab.target_to_draft.to(on.input_ids.device)
         for h in states:
             logits = draft.logits(h).float()  # [B, T, N]
-            match.append(draft.draft_to_target[logits.argmax(-1)] == b.topk_ids[..., 0])
-            alpha.append(_alpha(logits, b.topk_ids, b.topk_logprobs, vocab.target_to_draft, temperature))
+            match.append((draft.draft_to_target[logits.argmax(-1)] == on.topk_ids[..., 0]).cpu())
+            alpha.append(_alpha(logits, on.topk_ids, on.topk_logprobs, t2d, temperature).cpu())
         B, T = b.input_ids.shape
         for r, s in enumerate(seqs):
             n = int(store.offsets[s + 1] - store.offsets[s])

@@ -313,7 +313,7 @@ def train_draft(draft: DraftModel, store: TeacherShard, vocab: ReducedVocab, cfg
         frac = max(step / cfg.steps, (time.time() - t0) / budget)
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step, frac)
-        batch = _to(collate(store, batch_at(batches, step, cfg.seed), feature), dev)
+        batch = to_device(collate(store, batch_at(batches, step, cfg.seed), feature), dev)
         with torch.autocast(auto, dtype=torch.bfloat16, enabled=cfg.bf16):
             loss, per_step = batch_loss(draft, batch, t2d, cfg.chain_steps, cfg.step_decay)
         loss.backward()
@@ -327,8 +327,9 @@ def train_draft(draft: DraftModel, store: TeacherShard, vocab: ReducedVocab, cfg
         lv = float(loss.detach())
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         pbar.update(1)
+        left = {} if budget == float("inf") else {"left": f"{max(budget - (time.time() - t0), 0) / 60:.0f}min"}
         pbar.set_postfix(kl=f"{ema:.3f}", steps="/".join(f"{x:.2f}" for x in per_step),
-                         pos_s=f"{tokens / max(time.time() - run_t0, 1e-9):.0f}", refresh=False)
+                         pos_s=f"{tokens / max(time.time() - run_t0, 1e-9):.0f}", **left, refresh=False)
         if step % 25 == 0:
             hist.append({"step": step, "positions": positions, "kl_ema": round(ema, 4),
                          "kl_steps": [round(x, 4) for x in per_step], "seconds": round(time.time() - t0, 1)})
@@ -353,7 +354,8 @@ def train_draft(draft: DraftModel, store: TeacherShard, vocab: ReducedVocab, cfg
             "best": None if best is None else {"step": best["step"], "heldout": best["result"]}}
 
 
-def _to(batch: Batch, dev: torch.device) -> Batch:
+def to_device(batch: Batch, dev: torch.device) -> Batch:
+    """The batch on ``dev`` (the same object on the CPU)."""
     if dev.type == "cpu":
         return batch
     return Batch(*(None if t is None else t.to(dev, non_blocking=True) for t in
