@@ -1,4 +1,4 @@
-"""Microbenchmark of specrt's kernel ops against torch baselines (DESIGN.md section 2).
+"""Microbenchmark of specrt's kernel ops against torch baselines (docs/architecture.md section 2).
 
 For every op and shape it times, interleaved round by round (medians),
   ours      the specrt op (value checks off: the kernel itself),

@@ -9,7 +9,7 @@
 //   - all tensors are contiguous and on the same device,
 //   - probabilities/logits are float32, token ids int32, counts int32,
 //     seeds/positions int64, block mappings / slot mappings int64,
-//   - shapes are mutually consistent (B, K, V as in DESIGN.md section 2).
+//   - shapes are mutually consistent (B, K, V as in docs/architecture.md section 2).
 // Outputs are allocated by the op body and passed in, so the CPU and CUDA
 // paths share one allocation policy.
 #pragma once

@@ -1,7 +1,7 @@
 """Pure-torch reference of every specrt op: the test oracle and the CPU fallback.
 
 Each function here is the *specification* of the op of the same name in
-:mod:`specrt.ops` (DESIGN.md section 2). The random numbers are computed with
+:mod:`specrt.ops` (docs/architecture.md section 2). The random numbers are computed with
 the same Philox4x32-10 counter layout and the same float32 operation sequence
 as ``csrc/include/specrt/{philox,sampling}.h``, so the compiled kernels return
 *identical tokens* for identical inputs; probabilities from
@@ -243,7 +243,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
                      draft_token_ids: torch.Tensor, num_draft_tokens: torch.Tensor, seeds: torch.Tensor,
                      positions: torch.Tensor, method: str = "rejection"
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact speculative sampling (DESIGN.md section 2). positions[b] is the absolute
+    """Exact speculative sampling (docs/architecture.md section 2). positions[b] is the absolute
     position of draft token 0 of request b (draft token i sits at positions[b] + i)."""
     b, k1, _ = target_probs.shape
     out = torch.full((b, k1), -1, dtype=torch.int32)
@@ -358,7 +358,7 @@ def rejection_sample_tree(target_probs: torch.Tensor, draft_probs: torch.Tensor 
                           node_token_ids: torch.Tensor, node_parents: torch.Tensor, num_nodes: torch.Tensor,
                           seeds: torch.Tensor, positions: torch.Tensor, method: str = "rejection"
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Exact tree verification (DESIGN.md section 2, csrc/include/specrt/tree.h). At a node of depth a
+    """Exact tree verification (docs/architecture.md section 2, csrc/include/specrt/tree.h). At a node of depth a
     (root 0) with target row p every random number is keyed at pos = positions[b] + a.
 
     "coupled": accept the first child whose token is p's TARGET race winner, else emit the winner.

@@ -1,4 +1,4 @@
-"""CUDA kernels against the CPU kernels on identical inputs (DESIGN.md sections 2 and 3).
+"""CUDA kernels against the CPU kernels on identical inputs (docs/architecture.md sections 2 and 3).
 
 The CPU op is the oracle here (it is itself proven against specrt/reference.py in
 test_ops_reference.py): every token-producing CUDA op must return tokens BIT-IDENTICAL

@@ -1,6 +1,6 @@
 """The speculative engine on a tiny random target/draft pair (CPU).
 
-Properties proven here (DESIGN.md sections 3 and 4):
+Properties proven here (docs/architecture.md sections 3 and 4):
 - greedy: speculative output == autoregressive output, every drafter and policy,
   batches of 1-8 mixed-length prompts, overlap on and off;
 - coupled acceptance: sampled output == autoregressive sampling with the same

@@ -1,4 +1,4 @@
-"""DESIGN.md section 3: one randomness rule, proven.
+"""docs/architecture.md section 3: one randomness rule, proven.
 
 * Philox4x32-10 (compiled header and the pure-torch reference) matches the Random123
   known-answer vectors.

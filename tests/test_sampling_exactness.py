@@ -1,4 +1,4 @@
-"""Sampling exactness of rejection_sample / sample_tokens / probs_from_logits (DESIGN.md 2-3).
+"""Sampling exactness of rejection_sample / sample_tokens / probs_from_logits (docs/architecture.md 2-3).
 
 Method: one op call with N = 200k rows that all share the same (p, q) (seeds = arange(N),
 so every row is an independent draw; positions random), then Pearson chi-square goodness of

@@ -1,4 +1,4 @@
-"""The vectorized CPU sampling paths (AVX2, AVX-512) against the scalar path (DESIGN.md 1, 3).
+"""The vectorized CPU sampling paths (AVX2, AVX-512) against the scalar path (docs/architecture.md 1, 3).
 
 Every vector path must return exactly what the scalar code returns: the same tokens from
 the exponential race (sample_tokens, rejection_sample with a draft distribution, a

@@ -1,5 +1,5 @@
 """Token-tree verification (verify_tree_greedy, rejection_sample_tree) and copy_slots
-(DESIGN.md section 2, "Token trees"; issue 32 parts 4-5).
+(docs/architecture.md section 2, "Token trees"; issue 32 parts 4-5).
 
 * the CPU kernels return exactly what specrt/reference.py returns, on random trees (chains,
   stars, deep and wide trees, empty ones, duplicate siblings, one-hot target rows, a residual

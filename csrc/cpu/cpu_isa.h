@@ -1,7 +1,7 @@
 // csrc/cpu/cpu_isa.h — which vector instruction set the CPU kernels use.
 //
 // Every vectorized CPU path has a scalar twin and returns bit-identical results
-// (DESIGN.md section 1), so the choice only changes speed. The default is the
+// (docs/architecture.md section 1), so the choice only changes speed. The default is the
 // best the running CPU supports; SPECRT_CPU_ISA=scalar|avx2|avx512 (read once)
 // or the debug op specrt::set_cpu_isa forces one, so tests can run every path.
 #pragma once

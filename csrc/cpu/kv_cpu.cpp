@@ -1,5 +1,5 @@
 // CPU kernels of the KV-cache ops: copy_blocks, copy_slots and write_kv
-// (DESIGN.md section 2). All are plain byte copies; references in specrt/reference.py.
+// (docs/architecture.md section 2). All are plain byte copies; references in specrt/reference.py.
 // bindings.cpp has validated shapes, dtypes and mapping values.
 #include <ATen/Parallel.h>
 

@@ -1,4 +1,4 @@
-// CPU kernels of the sampling ops (DESIGN.md section 2). The math lives in
+// CPU kernels of the sampling ops (docs/architecture.md section 2). The math lives in
 // csrc/include/specrt/sampling.h and is shared with csrc/cuda; the reference
 // of each function is the function of the same name in specrt/reference.py.
 //
@@ -57,7 +57,7 @@ uint64_t argmax_chunk(CpuIsa isa, const float* row, int64_t begin, int64_t end) 
   return pack_argmax(ordered_key(row[best]), static_cast<uint32_t>(best));
 }
 
-// Greedy rows: temperature 0 (see DESIGN.md section 2).
+// Greedy rows: temperature 0 (see docs/architecture.md section 2).
 bool greedy_temperature(float temperature) { return temperature == 0.0f; }
 
 // One row of probs_from_logits; `scratch` is working space. Each pass is one of

@@ -1,5 +1,5 @@
 // CPU kernels of token-tree verification: verify_tree_greedy and
-// rejection_sample_tree (DESIGN.md section 2, "Token trees"). The float math is
+// rejection_sample_tree (docs/architecture.md section 2, "Token trees"). The float math is
 // csrc/include/specrt/tree.h (shared with csrc/cuda/tree_cuda.cu); the
 // reference of each function is the function of the same name in
 // specrt/reference.py.

@@ -1,4 +1,4 @@
-// csrc/cuda/kv_cuda.cu — paged KV-cache kernels (DESIGN.md §2, §5).
+// csrc/cuda/kv_cuda.cu — paged KV-cache kernels (docs/architecture.md §2, §5).
 //
 //   copy_blocks_cuda  ONE launch copies every (src, dst) block of every layer
 //                     and K/V plane of every cache (target and draft, any

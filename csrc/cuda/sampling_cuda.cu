@@ -1,4 +1,4 @@
-// csrc/cuda/sampling_cuda.cu — CUDA kernels of the sampling ops (DESIGN.md §2, §3).
+// csrc/cuda/sampling_cuda.cu — CUDA kernels of the sampling ops (docs/architecture.md §2, §3).
 //
 //   probs_from_logits_cuda   one block per row: argmax/max, radix-select top-k,
 //                            softmax, radix-select top-p, renormalise.

@@ -1,4 +1,4 @@
-// csrc/cuda/tree_cuda.cu — CUDA kernels of token-tree verification (DESIGN.md §2
+// csrc/cuda/tree_cuda.cu — CUDA kernels of token-tree verification (docs/architecture.md §2
 // "Token trees", §3): verify_tree_greedy and rejection_sample_tree (both methods).
 //
 //   tree_walk_kernel<kMode>   grid (B), block kTreeThreads = 256 = kTreeMassLanes:

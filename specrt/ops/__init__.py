@@ -23,7 +23,7 @@ a device->host sync on the hot path, so they run only in debug mode
 kernels still never read or write out of bounds: bad ids are treated as
 rejected, bad slots skipped, and integers outside int32 saturate.
 
-Randomness (DESIGN.md section 3): every random number is a pure function of
+Randomness (docs/architecture.md section 3): every random number is a pure function of
 ``(seed, absolute position, purpose, index)`` through Philox4x32-10, so
 results do not depend on batch composition, slot or device.
 """

@@ -1,5 +1,5 @@
 """Sampling ops: the sampling transform, penalties, greedy and exact speculative verification,
-the plain sampler, and the randomness testing hooks (DESIGN.md sections 2 and 3)."""
+the plain sampler, and the randomness testing hooks (docs/architecture.md sections 2 and 3)."""
 from __future__ import annotations
 
 from typing import Sequence

@@ -1,4 +1,4 @@
-"""Token-tree verification ops (DESIGN.md section 2, "Token trees"): greedy and exact sampled
+"""Token-tree verification ops (docs/architecture.md section 2, "Token trees"): greedy and exact sampled
 verification of a tree of draft tokens per request, fused (one call per step).
 
 A request's tree: node j (0 <= j < num_nodes[b]) carries token ``node_token_ids[b, j]`` and

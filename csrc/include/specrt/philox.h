@@ -1,5 +1,5 @@
 // specrt/philox.h — counter-based Philox4x32-10 (Salmon et al., SC'11) and the
-// one randomness rule of specrt (DESIGN.md section 3):
+// one randomness rule of specrt (docs/architecture.md section 3):
 //
 //   every random number = f(request seed, absolute token position, purpose, index)
 //
