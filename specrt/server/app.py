@@ -19,8 +19,8 @@ from specrt.server.errors import APIError, ClientGone
 from specrt.server.middleware import GateAndCount
 from specrt.server.routes import router
 from specrt.server.schemas import REQUEST_MODELS
-from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, \
-    DEFAULT_MAX_CONNECTIONS, MAX_TAGS, ServerSettings
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, \
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, MAX_TAGS, ServerSettings
 from specrt.server.state import ServerState
 
 logger = logging.getLogger("specrt.server")
@@ -113,16 +113,28 @@ def create_app(engine=None, *, target: str | None = None, draft: str | None = No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, warmup: bool = True, max_tags: int = MAX_TAGS,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                max_prompt_chars: int | None = None, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-               warmup_prompts: list[str] | None = None) -> FastAPI:
+               warmup_prompts: list[str] | None = None, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+               keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+               max_connections_per_client: int | None = None,
+               allow_special_tokens_in_content: bool = False) -> FastAPI:
     """Build the FastAPI app. Pass a ready `engine` (an LLMEngine) or the arguments to build one
     (`target`, `draft` (None: plain autoregressive decoding), `spec`, `device`, `dtype`).
     The engine is warmed up (when `warmup`; on `warmup_prompts`, typical prompts, when given)
     before this returns, i.e. before a port opens.
-    The step thread starts here; `app.state.specrt.close()` (or the app's shutdown) ends it."""
+    The step thread starts here; `app.state.specrt.close()` (or the app's shutdown) ends it.
+
+    The connection-level settings (`header_timeout_s`, `keep_alive_timeout_s`,
+    `max_connections_per_client`) take effect when uvicorn runs the app with
+    `specrt.server.connections.uvicorn_options(app.state.specrt.settings)`, as `specrt serve` does.
+    `allow_special_tokens_in_content`: False (the default) tokenizes special-token strings in chat
+    messages as plain text, so a client cannot forge a turn with "<|im_end|><|im_start|>system"."""
     settings = ServerSettings(model_name=model_name or _default_model_name(target), api_key=api_key,
                               max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
                               max_connections=max_connections, max_prompt_chars=max_prompt_chars,
-                              max_tags=max_tags, drain_timeout_s=drain_timeout_s)
+                              max_tags=max_tags, drain_timeout_s=drain_timeout_s, header_timeout_s=header_timeout_s,
+                              keep_alive_timeout_s=keep_alive_timeout_s,
+                              max_connections_per_client=max_connections_per_client,
+                              allow_special_tokens_in_content=allow_special_tokens_in_content)
     if engine is None:
         if target is None:
             raise ValueError("create_app needs an engine or a target model")

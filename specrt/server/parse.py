@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from specrt.config import MAX_BAD_WORD_TOKENS, SamplingParams
 from specrt.server.errors import APIError, bad, show, type_name
 from specrt.server.schemas import ChatCompletionRequest, CompletionRequest, api_error
-from specrt.server.prompts import encode_text, prompt_token_ids
+from specrt.server.prompts import encode_texts, prompt_token_ids
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 
@@ -102,20 +102,39 @@ _CONTROLS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos"
              "presence_penalty", "frequency_penalty", "allowed_token_ids")
 
 
-def _bad_words_ids(words: list[str] | None, tokenizer) -> list[list[int]] | None:
-    """vLLM's bad_words: each word's tokens as it starts the text and after a space (when they differ)."""
+class ParseCancelled(Exception):
+    """The client went away (or the server is stopping) while its request was being parsed."""
+
+
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise ParseCancelled()
+
+
+BAD_WORDS_CHUNK = 256      # texts tokenized per call; the cancel flag is checked between calls
+
+
+def _bad_words_ids(words: list[str] | None, tokenizer, cancel: threading.Event | None = None) -> list[list[int]] | None:
+    """vLLM's bad_words: each word's tokens as it starts the text and after a space (when they differ).
+    Linear in the words (a set of the sequences seen; the schema bounds their number and length),
+    tokenized in batches, stopping when ``cancel`` is set."""
     if not words:
         return None
+    texts = [t for w in words for t in (w.lstrip(), " " + w.lstrip())]
     out: list[list[int]] = []
-    for w in words:
-        for text in (w.lstrip(), " " + w.lstrip()):
-            ids = encode_text(tokenizer, text, add_special_tokens=False)
+    seen: set[tuple[int, ...]] = set()
+    for start in range(0, len(texts), BAD_WORDS_CHUNK):
+        _check_cancel(cancel)
+        for j, ids in enumerate(encode_texts(tokenizer, texts[start:start + BAD_WORDS_CHUNK], False)):
             if not ids:
                 continue
             if len(ids) > MAX_BAD_WORD_TOKENS:
+                w = words[(start + j) // 2]
                 raise bad(f"'bad_words' entry {show(w)} is {len(ids)} tokens long; at most {MAX_BAD_WORD_TOKENS}",
                           "bad_words")
-            if ids not in out:
+            key = tuple(ids)
+            if key not in seen:
+                seen.add(key)
                 out.append(ids)
     return out or None
 
@@ -132,7 +151,8 @@ def _logprob_fields(req, chat: bool) -> tuple[int | None, int | None]:
     return req.logprobs, req.logprobs if req.echo else None
 
 
-def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size: int) -> SamplingParams:
+def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size: int,
+                     cancel: threading.Event | None = None) -> SamplingParams:
     kw = {name: getattr(req, name) for name in _CONTROLS if getattr(req, name) is not None}
     max_tokens = req.max_tokens
     if chat and req.max_completion_tokens is not None:
@@ -148,7 +168,7 @@ def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size:
         kw["stop"] = req.stop
     if req.logit_bias:
         kw["logit_bias"] = {int(t): b for t, b in req.logit_bias.items()}
-    words = _bad_words_ids(req.bad_words, tokenizer)
+    words = _bad_words_ids(req.bad_words, tokenizer, cancel)
     if words:
         kw["bad_words_ids"] = words
     kw["logprobs"], kw["prompt_logprobs"] = _logprob_fields(req, chat)
@@ -164,8 +184,33 @@ def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size:
     return params
 
 
+def _requested_tokens(req, chat: bool) -> tuple[str, int] | None:
+    """(field, value) of the generation length the client asked for, or None (the default)."""
+    if chat and req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return ("max_tokens", req.max_tokens) if req.max_tokens is not None else None
+
+
+def check_context(n_prompt: int, requested: tuple[str, int] | None, max_model_len: int) -> None:
+    """A prompt plus an explicit max_tokens beyond the context is a 400 (as OpenAI and vLLM
+    answer), not a generation cut short at the context. Without max_tokens the generation runs
+    to the context (chat) or 16 tokens (completions), whichever comes first."""
+    if requested is None:
+        return
+    name, n = requested
+    if n_prompt + n > max_model_len:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but {n_prompt + n} "
+                       f"were requested ({n_prompt} in the prompt + {n} in '{name}'); reduce '{name}' to at most "
+                       f"{max_model_len - n_prompt} or shorten the prompt", "invalid_request_error", name,
+                       "context_length_exceeded")
+
+
 def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name: str, tags: TagSet,
-                  tokenizer, max_model_len: int, max_prompt_chars: int, vocab_size: int | None = None) -> ParsedRequest:
+                  tokenizer, max_model_len: int, max_prompt_chars: int, vocab_size: int | None = None,
+                  escape_special_tokens: bool = True, cancel: threading.Event | None = None) -> ParsedRequest:
+    """``escape_special_tokens``: special-token strings in chat messages ("<|im_end|>") are
+    tokenized as plain text, never as control tokens (a user cannot forge a turn).
+    ``cancel``: set by the server when the client goes away; the parse stops (ParseCancelled)."""
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}", None, "invalid_type")
@@ -178,13 +223,19 @@ def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name:
     if req.model is not None and req.model != model_name:
         raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{model_name}'",
                        "invalid_request_error", "model", "model_not_found")
+    if req.stream_options is not None and not req.stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
     ext = req.specrt
     tag = tags.tag_for(ext.tag if ext is not None and ext.tag is not None else header_tag)
+    _check_cancel(cancel)
     params = _sampling_params(req, chat, max_model_len, tokenizer,
-                              vocab_size if vocab_size is not None else tokenizer.vocab_size)
+                              vocab_size if vocab_size is not None else tokenizer.vocab_size, cancel)
+    _check_cancel(cancel)
     prompt = [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in req.messages] if chat \
         else req.prompt
-    ids = prompt_token_ids(prompt, chat, tokenizer, max_model_len, max_prompt_chars)
+    ids = prompt_token_ids(prompt, chat, tokenizer, max_model_len, max_prompt_chars,
+                           escape_special=escape_special_tokens)
+    check_context(len(ids), _requested_tokens(req, chat), max_model_len)
     so = req.stream_options
     echo = bool(not chat and req.echo)
     prompt_text = (req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)) if echo else ""

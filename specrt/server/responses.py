@@ -1,5 +1,7 @@
 """Response bodies: the non-streamed JSON, the server-sent events of a stream, usage and the
-specrt statistics. Every stream ends with `data: [DONE]`, after its last choice or an error."""
+specrt statistics. Every stream ends with `data: [DONE]`, after its last choice or an error.
+A stream cut off by the server still ends its choice with a finish_reason ("abort" when the
+server shuts down, "error" when a step failed) before the error event and [DONE]."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +16,14 @@ from specrt.server.runner import Failed
 
 def finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(reason, reason)
+
+
+def failed_reason(item) -> str:
+    """The finish_reason of a request that ended in an error: "abort" when the server cut it off
+    (shutting down), "error" otherwise."""
+    if isinstance(item, Failed) and item.code == "server_shutting_down":
+        return "abort"
+    return "error"
 
 
 def failure(item) -> APIError | None:
@@ -126,12 +136,24 @@ async def stream_events(engine, q: asyncio.Queue, req: ParsedRequest, request_id
     if chat:
         yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None})
+    last = None
     while True:
         out = await q.get()
         err = failure(out)
         if err is not None:
+            # cut off (a drain, a failed step): the choice still ends with a finish_reason, then
+            # the usage so far (if asked), then the error event, then [DONE]
+            reason = failed_reason(out)
+            choice = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+            choice.update({"logprobs": None, "finish_reason": reason})
+            if req.return_token_ids:
+                choice["token_ids"] = []
+            yield chunk(choice, **({"usage": None} if req.include_usage else {}))
+            if req.include_usage and last is not None:
+                yield chunk(None, usage=usage(last, req))
             yield _event(err.body())
             break
+        last = out
         text, new_ids, logprobs = rendered.next(out)
         if text or new_ids or out.finished or (logprobs is not None and not chat and logprobs["tokens"]):
             reason = finish_reason(out.finish_reason) if out.finished else None

@@ -1,11 +1,13 @@
 """The endpoints: POST /v1/completions, POST /v1/chat/completions (both also as server-sent
-events with `"stream": true`), GET /v1/models, GET /health, GET /metrics."""
+events with `"stream": true`), GET /v1/models, GET /health, GET /metrics (the GET ones answer
+HEAD too)."""
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
 import re
+import threading
 import time
 import uuid
 
@@ -14,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from specrt.server.errors import APIError, ClientGone, bad, server_error
-from specrt.server.parse import ParsedRequest, parse_request
+from specrt.server.parse import ParseCancelled, ParsedRequest, parse_request
 from specrt.server.responses import completion_body, failure, stream_events
 from specrt.server.runner import Failed, Refused
 
@@ -132,17 +134,53 @@ async def _complete(request: Request, state, q: asyncio.Queue, req: ParsedReques
     return JSONResponse(completion_body(state.engine, out, req, request_id, created, chat))
 
 
+PARSE_POLL_S = 0.25     # how often a request waiting for its parse checks for a drain
+
+
+async def _parse(request: Request, state, raw: bytes, chat: bool) -> ParsedRequest:
+    """parse_request on the tokenizer pool. A client that goes away, or a drain that begins,
+    while it runs sets its cancel flag (the parse stops at its next check) and nobody waits for
+    it any longer: a long parse never outlives its client, nor holds up a shutdown."""
+    eng = state.engine
+    cancel = threading.Event()
+    parse = functools.partial(parse_request, raw, chat, request.headers.get("x-specrt-tag"),
+                              model_name=state.model_name, tags=state.tags, tokenizer=eng.tokenizer,
+                              max_model_len=eng.max_model_len, max_prompt_chars=state.max_prompt_chars,
+                              vocab_size=eng.vocab_size,
+                              escape_special_tokens=not state.settings.allow_special_tokens_in_content,
+                              cancel=cancel)
+    fut = asyncio.get_running_loop().run_in_executor(state.pool, parse)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    state.parses.add(cancel)
+    try:
+        while True:
+            done, _ = await asyncio.wait({fut, gone}, timeout=PARSE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            if fut in done:
+                try:
+                    return fut.result()
+                except ParseCancelled:
+                    raise server_error("the server is shutting down", "server_shutting_down", 503) from None
+            if gone in done:
+                logger.info("%s %s: client disconnected while its request was parsed", _client(request),
+                            request.url.path)
+                raise ClientGone()
+            if state.draining:
+                raise server_error("the server is shutting down", "server_shutting_down", 503)
+    finally:
+        state.parses.discard(cancel)
+        gone.cancel()
+        if not fut.done():
+            cancel.set()
+            fut.cancel()          # nobody reads its result (a thread still running it ends on its own)
+
+
 async def _handle(request: Request, chat: bool):
     state = request.app.state.specrt
     if state.draining:
         raise server_error("the server is shutting down", "server_shutting_down", 503)
     raw = await read_body(request, state)
     eng = state.engine
-    parse = functools.partial(parse_request, raw, chat, request.headers.get("x-specrt-tag"),
-                              model_name=state.model_name, tags=state.tags, tokenizer=eng.tokenizer,
-                              max_model_len=eng.max_model_len, max_prompt_chars=state.max_prompt_chars,
-                              vocab_size=eng.vocab_size)
-    req = await asyncio.get_running_loop().run_in_executor(state.pool, parse)
+    req = await _parse(request, state, raw, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     q = await _admit(state, req, request_id)
@@ -166,6 +204,7 @@ async def chat_completions(request: Request):
 
 
 @router.get("/v1/models")
+@router.head("/v1/models", include_in_schema=False)
 async def models(request: Request):
     state = request.app.state.specrt
     eng = state.engine
@@ -179,6 +218,7 @@ async def models(request: Request):
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)
 async def health(request: Request):
     state = request.app.state.specrt
     runner = state.runner
@@ -189,6 +229,7 @@ async def health(request: Request):
 
 
 @router.get("/metrics")
+@router.head("/metrics", include_in_schema=False)
 async def metrics(request: Request):
     state = request.app.state.specrt
     eng, runner = state.engine, state.runner

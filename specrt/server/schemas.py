@@ -12,12 +12,18 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from specrt.config import (INT32_MAX, INT64_MAX, INT64_MIN, LOGIT_BIAS_RANGE, MAX_LOGPROBS, MAX_STOP_CHARS,
+from specrt.config import (INT32_MAX, INT64_MAX, INT64_MIN, LOGIT_BIAS_RANGE, MAX_BAD_WORD_TOKENS, MAX_LOGPROBS,
+                           MAX_STOP_CHARS,
                            MAX_STOP_STRINGS, MAX_TOKEN_LIST, PENALTY_RANGE, REPETITION_PENALTY_RANGE,
                            TEMPERATURE_MAX)
 from specrt.server.errors import APIError, bad, show, type_name
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# bad_words: bounded before anything is tokenized (each word is tokenized twice, and every
+# banned sequence is checked at every step of the request)
+MAX_BAD_WORDS = 4096              # entries
+MAX_BAD_WORD_CHARS = 1024         # characters of one entry (it must also be at most MAX_BAD_WORD_TOKENS tokens)
+MAX_BAD_WORDS_CHARS = 65536       # characters of all entries together
 # OpenAI fields accepted only at their neutral value (anything else: 400 "not supported")
 NEUTRAL = {
     "best_of": (1,), "suffix": ("",), "tools": ([],), "functions": ([],),
@@ -62,7 +68,8 @@ class _Common(_Strict):
     top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=-1, le=INT32_MAX,
                                  description="0 or -1 disables; values >= the vocabulary size keep every token")
-    max_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="generation also stops at the context")
+    max_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="the prompt plus max_tokens must fit the "
+                                      "model's context (else 400, param max_tokens)")
     min_tokens: Optional[int] = Field(None, ge=0, le=INT32_MAX, description="EOS is masked before this many tokens")
     ignore_eos: Optional[bool] = None
     seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
@@ -70,7 +77,7 @@ class _Common(_Strict):
                                                                     f"most {MAX_STOP_CHARS} characters")
     n: Optional[int] = Field(None, description="must be 1: one choice per request")
     stream: Optional[bool] = None
-    stream_options: Optional[StreamOptions] = None
+    stream_options: Optional[StreamOptions] = Field(None, description="only with \"stream\": true (else 400)")
     specrt: Optional[SpecrtOptions] = None
     user: Any = Field(None, description="a string names the tenant whose history a scoped suffix drafter "
                                         "(draft 'suffix:scoped=1') drafts from; anything else has no effect")
@@ -90,8 +97,11 @@ class _Common(_Strict):
         None, description=f"token id (a string) -> bias in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] added to "
                           "its logit")
     allowed_token_ids: Optional[list[int]] = Field(None, description="only these tokens may be generated")
-    bad_words: Optional[list[str]] = Field(None, description="words never generated (each tokenized with and "
-                                                             "without a leading space)")
+    bad_words: Optional[list[str]] = Field(None, description=f"words never generated (each tokenized with and "
+                                                             f"without a leading space): at most {MAX_BAD_WORDS} "
+                                                             f"non-empty strings of at most {MAX_BAD_WORD_CHARS} "
+                                                             f"characters and {MAX_BAD_WORD_TOKENS} tokens each, "
+                                                             f"{MAX_BAD_WORDS_CHARS} characters in all")
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS,
                                         description="chat: most likely alternatives per token (needs logprobs)")
     best_of: Any = Field(None, description=_NEUTRAL_NOTE)
@@ -157,8 +167,24 @@ class _Common(_Strict):
     def _words(cls, v):
         if v is None:
             return v
-        if not isinstance(v, list) or len(v) > MAX_TOKEN_LIST or not all(isinstance(w, str) and w.strip() for w in v):
-            raise PydanticCustomError("invalid_value", "'bad_words' must be an array of non-empty strings")
+        if not isinstance(v, list):
+            raise PydanticCustomError("invalid_type", "'bad_words' must be an array of non-empty strings, got {got}",
+                                      {"got": type_name(v)})
+        if len(v) > MAX_BAD_WORDS:
+            raise PydanticCustomError("invalid_value", "'bad_words' may hold at most {n} words, got {got}",
+                                      {"n": MAX_BAD_WORDS, "got": len(v)})
+        total = 0
+        for i, w in enumerate(v):
+            if not isinstance(w, str) or not w.strip():
+                raise PydanticCustomError("invalid_value", "'bad_words' must be an array of non-empty strings; entry "
+                                          "{i} is {got}", {"i": i, "got": show(w)})
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise PydanticCustomError("invalid_value", "'bad_words' entry {i} is {got} characters long; at most "
+                                          "{n} characters", {"i": i, "got": len(w), "n": MAX_BAD_WORD_CHARS})
+            total += len(w)
+        if total > MAX_BAD_WORDS_CHARS:
+            raise PydanticCustomError("invalid_value", "'bad_words' holds {got} characters in all; at most {n} "
+                                      "characters", {"got": total, "n": MAX_BAD_WORDS_CHARS})
         return v
 
     @field_validator("n")
@@ -189,8 +215,8 @@ class CompletionRequest(_Common):
 
     prompt: Union[str, list[int], list[str], list[list[int]]] = Field(
         ..., description="a string or an array of token ids; a batch of exactly one prompt is accepted too")
-    max_tokens: Optional[int] = Field(None, ge=0, le=INT32_MAX, description="generation also stops at the context; "
-                                                                            "0 only with echo (score the prompt)")
+    max_tokens: Optional[int] = Field(None, ge=0, le=INT32_MAX, description="the prompt plus max_tokens must fit the "
+                                      "model's context (else 400); 0 only with echo (score the prompt)")
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS, description="log-probabilities of every token and "
                                                                              "this many most likely alternatives")
     echo: Optional[bool] = Field(None, description="prepend the prompt to the text (and its log-probabilities)")
@@ -265,7 +291,8 @@ class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="overrides max_tokens")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX, description="overrides max_tokens (the "
+                                                 "same context check)")
     logprobs: Optional[bool] = Field(None, description="log-probabilities of the generated tokens")
     echo: Any = Field(None, description=_NEUTRAL_NOTE)
 

@@ -5,25 +5,35 @@
 On SIGTERM (or Ctrl-C) the app drains (see app.py): it stops admitting (503), gives the
 requests in flight --drain-timeout seconds to finish, fails the rest with a final error
 event (streams still end with `data: [DONE]`), then uvicorn exits. A second Ctrl-C exits at once.
+Whatever still runs then (a parse, a stuck step, a thread), the process exits at the latest
+HARD_EXIT_GRACE_S seconds after the drain time.
+
+Connections (specrt.server.connections): a connection must send its request head within
+--header-timeout seconds and is closed after --keep-alive-timeout idle seconds between requests;
+idle connections make room for new ones (so /health and /metrics stay reachable), and one
+client address holds at most --max-connections-per-client connections.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
 
-from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, \
-    DEFAULT_MAX_CONNECTIONS, parse_memory, read_prompts_file
+from specrt.server.connections import CONNECTION_HEADROOM, MIN_PER_CLIENT
+from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, \
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HARD_EXIT_GRACE_S, parse_memory, \
+    read_prompts_file
 
 logger = logging.getLogger("specrt.server")
 INSTALL_HINT = 'pip install "specrt[serve]"'
-# uvicorn's own connection cap sits above the app's request cap, as a backstop for idle or
-# half-open connections (health and metrics requests are not counted by the app's cap)
-UVICORN_CONNECTION_HEADROOM = 64
+# uvicorn waits this long past the drain time for the requests' tasks (the drain has failed
+# what was left by then, so they end at once); the hard exit comes HARD_EXIT_GRACE_S after it
+GRACEFUL_SHUTDOWN_EXTRA_S = 3
 
 
 def _suffix_flags(draft: str | None, scoped: bool, history: int | None) -> str | None:
@@ -96,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $SPECRT_API_KEY)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (also $SPECRT_API_KEY; an "
+                                                   "empty key is refused, not taken as no key)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -114,7 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="seconds a client has to send its whole request body (then 408, connection closed)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="concurrent requests served; more get 503 (health and metrics are always served)")
+                   help="concurrent requests served; more get 503 (health and metrics are always served). Open "
+                        f"connections are capped at this + {CONNECTION_HEADROOM}; idle ones are closed to make room "
+                        "for new ones")
+    p.add_argument("--max-connections-per-client", type=int, default=None,
+                   help="open connections of one client address; beyond it that client's oldest idle connection "
+                        f"is closed, or the new one refused (default: half of --max-connections, at least "
+                        f"{MIN_PER_CLIENT})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a connection has to send a complete request head (line and headers), from when it "
+                        "opens or its previous response ends; then it is closed (408 if it had sent a part)")
+    p.add_argument("--keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT_S,
+                   help="seconds an idle keep-alive connection stays open between requests")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="tokenize special-token strings in chat messages ('<|im_end|>', '<|im_start|>system') as "
+                        "the control tokens they name. Default: they are plain text, so a client cannot close its "
+                        "turn and forge a system or assistant turn")
     p.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longest prompt in characters, refused before tokenizing (default: 32 x max-model-len)")
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -175,7 +201,30 @@ def engine_kwargs(args) -> dict:
 def _check_args(args) -> str | None:
     if args.drain_timeout < 0:
         return f"--drain-timeout must be >= 0, got {args.drain_timeout}"
+    for flag, value in (("--header-timeout", args.header_timeout), ("--keep-alive-timeout", args.keep_alive_timeout),
+                        ("--body-timeout", args.body_timeout)):
+        if not value > 0 or value == float("inf"):
+            return f"{flag} must be a number of seconds > 0, got {value}"
+    if args.max_connections < 1:
+        return f"--max-connections must be >= 1, got {args.max_connections}"
+    if args.max_connections_per_client is not None and args.max_connections_per_client < 1:
+        return f"--max-connections-per-client must be >= 1, got {args.max_connections_per_client}"
     return None
+
+
+def api_key_from(args, environ=os.environ) -> tuple[str | None, str | None]:
+    """(the API key or None, a problem or None). --api-key wins over $SPECRT_API_KEY; an empty or
+    blank one is an error (it used to turn authentication off without a word)."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif "SPECRT_API_KEY" in environ:
+        key, source = environ["SPECRT_API_KEY"], "$SPECRT_API_KEY"
+    else:
+        return None, None
+    if not key.strip():
+        return None, (f"{source} is empty; give a non-empty key, or leave {source} out to serve without "
+                      "authentication")
+    return key, None
 
 
 def _missing_extras() -> str | None:
@@ -215,7 +264,10 @@ def _build_app(args, api_key):
                          api_key=api_key, max_body_bytes=args.max_body_bytes, warmup=args.warmup,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                          max_prompt_chars=args.max_prompt_chars, drain_timeout_s=args.drain_timeout,
-                         warmup_prompts=warmup_prompts)
+                         warmup_prompts=warmup_prompts, header_timeout_s=args.header_timeout,
+                         keep_alive_timeout_s=args.keep_alive_timeout,
+                         max_connections_per_client=args.max_connections_per_client,
+                         allow_special_tokens_in_content=args.allow_special_tokens_in_content)
     except ValueError:
         if engine is not None:
             engine.close()
@@ -228,18 +280,53 @@ def _replayed_signal(signum, frame) -> None:
     has drained and shut down, so main() returns (exit status 0) and closes the engine."""
 
 
+def exit_watchdog(state, grace_s: float = HARD_EXIT_GRACE_S, poll_s: float = 0.2,
+                  exit_fn=os._exit) -> threading.Event:
+    """A daemon thread that ends the process (status 0) ``grace_s`` seconds after the drain time
+    once a drain began (SIGTERM), if it is still alive then: a parse, a stuck engine step, a
+    non-daemon thread or an exit handler cannot keep a stopping server up (issue 39).
+    Returns the event that stops the watch (for a server that ends without a drain)."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            started = state.drain_started
+            if started is not None and time.monotonic() >= started + state.settings.drain_timeout_s + grace_s:
+                alive = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+                logger.warning("shutdown did not finish %.1f s after the drain time (threads still running: %s); "
+                               "exiting now", grace_s, ", ".join(alive) or "none")
+                for h in logging.getLogger().handlers + logger.handlers:
+                    try:
+                        h.flush()
+                    except Exception:    # noqa: BLE001 - exiting anyway
+                        pass
+                sys.stdout.flush()
+                sys.stderr.flush()
+                exit_fn(0)
+                return
+
+    threading.Thread(target=watch, name="specrt-exit-watchdog", daemon=True).start()
+    return stop
+
+
 def _serve(app, args) -> None:
     import uvicorn
 
+    from specrt.server.connections import uvicorn_options
+
+    state = app.state.specrt
     main_thread = threading.current_thread() is threading.main_thread()
     saved = {sig: signal.signal(sig, _replayed_signal) for sig in (signal.SIGTERM, signal.SIGINT)} \
         if main_thread else {}
+    watchdog = exit_watchdog(state) if main_thread else None
     try:
         # uvicorn waits this long for open requests after a signal; the app drains within it
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=int(args.drain_timeout) + 10, access_log=args.log_level == "debug",
-                    limit_concurrency=args.max_connections + UVICORN_CONNECTION_HEADROOM)
+                    timeout_graceful_shutdown=math.ceil(args.drain_timeout) + GRACEFUL_SHUTDOWN_EXTRA_S,
+                    access_log=args.log_level == "debug", **uvicorn_options(state.settings))
     finally:
+        if watchdog is not None and state.drain_started is None:
+            watchdog.set()        # ended without a drain (no signal): nothing to bound
         for sig, handler in saved.items():
             signal.signal(sig, handler)
 
@@ -251,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing is not None:
         print(f"specrt serve: the server needs {missing}, which is not installed: {INSTALL_HINT}", file=sys.stderr)
         return 2
-    problem = "--max-body-bytes must be >= 1024" if args.max_body_bytes < 1024 else _check_args(args)
+    api_key, key_problem = api_key_from(args)
+    problem = "--max-body-bytes must be >= 1024" if args.max_body_bytes < 1024 else _check_args(args) or key_problem
     if problem:
         print(f"specrt serve: {problem}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("SPECRT_API_KEY") or None
     if args.threads:
         import torch
 

@@ -7,6 +7,11 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0     # a client must send its whole request body within this time
 DEFAULT_MAX_CONNECTIONS = 512     # concurrent requests (health and metrics are never refused)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0    # on SIGTERM, in-flight requests get this long to finish
+DEFAULT_HEADER_TIMEOUT_S = 10.0   # a connection must send a complete request head within this time
+DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0  # an idle keep-alive connection is closed after this time
+# After a SIGTERM, `specrt serve` exits at the latest this long after the drain time, whatever
+# still runs (a tokenizer call, a stuck step, a non-daemon thread): see serve.py.
+HARD_EXIT_GRACE_S = 8.0
 MAX_TAGS = 64                     # distinct Prometheus tag values; later new tags become "other"
 # Prompts are bounded in characters before they are tokenized: max_model_len tokens of real
 # text average ~4 characters each; 32 per token leaves room for long tokens and whitespace.
@@ -23,6 +28,11 @@ class ServerSettings:
     max_prompt_chars: int | None = None      # None: max_model_len * PROMPT_CHARS_PER_TOKEN
     max_tags: int = MAX_TAGS
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S
+    max_connections_per_client: int | None = None    # None: connections.default_per_client(max_connections)
+    # chat messages: special-token strings in content/name are plain text unless this is True
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str, lo: int) -> None:
@@ -35,12 +45,20 @@ class ServerSettings:
         positive_int("max_tags", 1)
         if self.max_prompt_chars is not None:
             positive_int("max_prompt_chars", 1)
-        for name, lo in (("body_timeout_s", 1e-3), ("drain_timeout_s", 0.0)):
+        if self.max_connections_per_client is None:
+            from specrt.server.connections import default_per_client
+
+            self.max_connections_per_client = default_per_client(self.max_connections)
+        positive_int("max_connections_per_client", 1)
+        for name, lo in (("body_timeout_s", 1e-3), ("drain_timeout_s", 0.0), ("header_timeout_s", 1e-3),
+                         ("keep_alive_timeout_s", 1e-3)):
             t = getattr(self, name)
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not lo <= t < float("inf"):
                 raise ValueError(f"{name} must be a number of seconds >= {lo:g}, got {t!r:.40}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
             raise ValueError("api_key must be a non-empty string or None")
+        if not isinstance(self.allow_special_tokens_in_content, bool):
+            raise ValueError("allow_special_tokens_in_content must be a boolean")
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
