@@ -246,3 +246,31 @@ def test_text_store_teacher_forces_source_text_in_resumable_shards(tmp_path, tar
     text_store(target, tok, out, ["a", "b"], "train", max_len=64, k=8, hidden_layers=LAYERS,
                shard_positions=200, log=lambda *_: None)
     assert os.path.getmtime(os.path.join(out, "teacher_00000.safetensors")) == first  # resumed: nothing redone
+
+
+def test_warm_start_grows_a_single_feature_draft_into_a_deeper_eagle3_one(tmp_path, target, vocab):
+    from specrt.training.draft_distill import warm_start
+    t32 = target.float()
+    try:
+        src = init_draft(t32, "feature", [5], vocab, fc_init="sum")
+        deep = init_draft(t32, "feature", [5, 4], vocab, fc_init="sum", feature_layers=LAYERS)
+    finally:
+        target.to(torch.bfloat16)
+        target._prepared = False
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(0.01)
+    src.save_pretrained(tmp_path / "src", dtype=torch.float32)
+    warm_start(deep, str(tmp_path / "src"), log=lambda *_: None)
+    g = torch.Generator().manual_seed(2)
+    ids, feats = torch.randint(3, 4000, (2, 7), generator=g), torch.randn(2, 7, 768, generator=g)
+    a, _ = src.forward_dense(ids, feats[..., 512:])
+    b, _ = deep.forward_dense(ids, feats)  # the added layer is the identity, the fuse a pass-through
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot start"):
+        warm_start(src, _saved(deep, tmp_path / "deep"), log=lambda *_: None)  # 2 layers cannot start 1
+
+
+def _saved(draft, folder):
+    draft.save_pretrained(folder, dtype=torch.float32)
+    return str(folder)

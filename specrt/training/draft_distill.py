@@ -224,12 +224,14 @@ def run(args, log=print) -> dict:
 
 
 def warm_start(draft, folder: str, log=print) -> None:
-    """Copy an existing draft folder's layers, fc and norm into ``draft`` (same kind and depth);
-    its head stays the new vocabulary's rows of the target embedding."""
+    """Copy an existing draft folder's layers, fc and norm into ``draft`` (same kind); its head
+    stays the new vocabulary's rows of the target embedding. A deeper ``draft`` keeps the copied
+    layers first and starts its extra layers as the identity (zero output projections: the
+    residual passes through), so it begins as the shallower draft and training adds depth."""
     from specrt.models.draft_model import DraftModel
 
     src = DraftModel.from_pretrained(folder, None)
-    if src.config.kind != draft.config.kind or len(src.layers) != len(draft.layers):
+    if src.config.kind != draft.config.kind or len(src.layers) > len(draft.layers):
         raise ValueError(f"--init-from {folder}: a {src.config.kind} draft of {len(src.layers)} layers cannot "
                          f"start a {draft.config.kind} draft of {len(draft.layers)} layers")
     # a single-feature draft starts an EAGLE-3 one: its fuse keeps init_fuse's pass-through
@@ -237,7 +239,12 @@ def warm_start(draft, folder: str, log=print) -> None:
                                   else set())
     state = {k: v for k, v in src.state_dict().items() if k not in skip}
     draft.load_state_dict(state, strict=False)
-    log(f"warm start from {folder} ({len(state)} tensors)")
+    with torch.no_grad():
+        for layer in draft.layers[len(src.layers):]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    log(f"warm start from {folder} ({len(state)} tensors"
+        f"{f', {len(draft.layers) - len(src.layers)} identity layers added' if len(draft.layers) > len(src.layers) else ''})")
 
 
 def _ints(text: str, name: str = "--layers") -> list[int]:
