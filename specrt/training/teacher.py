@@ -335,7 +335,7 @@ def text_store(target, tokenizer, out: str, names: list[str], split: str, max_le
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specrt.training.teacher", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="target model folder")
+    ap.add_argument("--target", required=True, help="target model folder, .gguf file or name (smollm2-135m)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqs", default=None, help="teacher pass over a folder of seqs_*.pt (specrt.training.onpolicy)")
     ap.add_argument("--split", choices=["train", "heldout"], default="train",
@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from specrt.models import load_model, load_tokenizer
 
+    from specrt.models.registry import resolve_model
+
+    args.target = str(resolve_model(args.target, "target"))
     target = load_model(args.target, dtype=args.dtype)
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(","))
     if args.seqs:
