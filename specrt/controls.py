@@ -11,6 +11,8 @@ The sampling transform of every row, draft and target alike (specrt.sampling app
     2. masks (-inf): allowed_token_ids keeps only those; bad_words_ids bans a one-token sequence
        always and a longer one's last token when the history (prompt + output + earlier drafts)
        ends with its other tokens (transformers' NoBadWordsLogitsProcessor); min_tokens bans EOS.
+       The longer ones are looked up in a BanTrie: a row's cost is bounded by the longest banned
+       sequence, whatever the number of sequences.
     3. probs_from_logits: temperature, top-k, min-p, top-p (temperature 0: argmax).
 
 Histories: repetition_penalty counts the prompt and the output (as transformers and vLLM do);
@@ -50,6 +52,53 @@ class PenaltyEntries:
     bias: np.ndarray        # [E] float32: logit_bias
 
 
+class BanTrie:
+    """The multi-token banned sequences of one request, for the rule "ban the last token of a
+    sequence when the history ends with its other tokens": a trie of the sequences' prefixes read
+    backwards (last prefix token first), each node holding the last tokens of the sequences whose
+    prefix it completes. ``banned_after(history)`` walks the history from its end: at most
+    ``depth`` (the longest prefix) dictionary look-ups, whatever the number of sequences."""
+
+    __slots__ = ("_next", "_bans", "depth")
+
+    def __init__(self, words):
+        children: list[dict[int, int]] = [{}]      # node -> {token: child node}; node 0 = the root
+        bans: dict[int, set[int]] = {}              # node -> last tokens banned after its prefix
+        depth = 0
+        for w in words:
+            node = 0
+            for t in reversed(w[:-1]):
+                nxt = children[node].get(t)
+                if nxt is None:
+                    nxt = children[node][t] = len(children)
+                    children.append({})
+                node = nxt
+            bans.setdefault(node, set()).add(w[-1])
+            depth = max(depth, len(w) - 1)
+        self._next = children
+        self._bans: list[np.ndarray | None] = [None] * len(children)
+        for node, toks in bans.items():
+            self._bans[node] = np.asarray(sorted(toks), dtype=np.int64)
+        self.depth = depth
+
+    def banned_after(self, history) -> np.ndarray:
+        """The tokens [n] int64 (a token may repeat, banned by several sequences) that may not
+        follow ``history`` (a token list: only its last ``depth`` tokens are read)."""
+        nxt, bans, found, node = self._next, self._bans, [], 0
+        for t in reversed(history[-self.depth:]):
+            node = nxt[node].get(t)
+            if node is None:
+                break
+            if bans[node] is not None:
+                found.append(bans[node])
+        if not found:
+            return _NO_TOKENS
+        return found[0] if len(found) == 1 else np.concatenate(found)
+
+
+_NO_TOKENS = np.zeros(0, np.int64)
+
+
 class ControlState:
     """A request's history for its controls (``Request.controls_state``): the prompt's tokens and
     the output's token counts, caught up with the output lazily (so nothing else has to tell it
@@ -67,7 +116,8 @@ class ControlState:
         self._entries_at = -1          # output length the cached entries describe
         words = params.bad_words_ids or []
         self.single_bans = np.asarray(sorted({w[0] for w in words if len(w) == 1}), dtype=np.int64)
-        self.sequence_bans = [(w[:-1], w[-1]) for w in words if len(w) > 1]   # (prefix, banned last token)
+        longer = [w for w in words if len(w) > 1]
+        self.sequence_bans = BanTrie(longer) if longer else None    # the multi-token ones
         self.allowed = None if params.allowed_token_ids is None else np.asarray(params.allowed_token_ids, np.int64)
 
     def catch_up(self, output_token_ids: list[int]) -> None:

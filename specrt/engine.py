@@ -42,7 +42,7 @@ from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
 from specrt.overlap import Overlap, overlap_status
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.verify import accept, build_verify_batch, feeds_context, path_rows, to_host
+from specrt.verify import PromptRows, accept, build_verify_batch, feeds_context, path_rows, to_host
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
@@ -247,10 +247,14 @@ class LLMEngine:
             vb = build_verify_batch(batch, proposal, self.kv, self.device)
             if self.drafter is not None:
                 self.drafter.mark_verify()
+            head = PromptRows.head_of(vb, self.target, self._hidden_layers)   # prompt logprobs: chunked logits
             logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
-                                         logits_indices=vb.logits_indices, all_hidden=self._wants_hidden,
+                                         logits_indices=vb.logits_indices[:len(vb.row_request)] if head is not None
+                                         else vb.logits_indices, all_hidden=self._wants_hidden or head is not None,
                                          hidden_layers=self._hidden_layers)  # [R, V]
-            verified = accept(vb, logits, self._acceptance(), self.eos_token_ids)              # [B, K+1], [B]
+            prompt = PromptRows.take(vb, hidden, head) if head is not None else None
+            hidden = hidden if self._wants_hidden else None
+            verified = accept(vb, logits, self._acceptance(), self.eos_token_ids, prompt)      # [B, K+1], [B]
             if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
                 if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order
                     hidden = hidden.index_select(0, path_rows(vb, verified.accepted_nodes, hidden.shape[0]))

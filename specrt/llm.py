@@ -5,6 +5,9 @@
 """
 from __future__ import annotations
 
+import threading
+from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -15,6 +18,18 @@ from specrt.warmup import warm_up
 
 
 class LLM:
+    """Generation over one engine.
+
+    Thread safety: one LLM may be used from several threads at once. Every ``generate`` /
+    ``generate_stream`` call shares one engine loop: the call holding the step lock advances the
+    engine one step (every running request moves, whoever submitted it), and each output is routed
+    to the call that submitted that request, so a call sees only its own requests' outputs and no
+    output is lost. A call that ends early (a stream left with ``break``, ``close()`` or dropped and
+    garbage-collected; an exception, KeyboardInterrupt included) aborts its unfinished requests and
+    frees their KV. ``warmup`` runs with no call in flight (RuntimeError otherwise). Calls must be
+    the engine's only stepper: an engine stepped elsewhere too (e.g. a server loop) would take
+    these calls' outputs."""
+
     def __init__(self, target: str | Path = "builtin", draft: str | Path | None = None,
                  spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None,
                  tensor_parallel_size: int = 1, *, target_quantize: str | None = None,
@@ -33,12 +48,20 @@ class LLM:
         self.engine = create_engine(target, draft, spec, device, dtype, seed,
                                     tensor_parallel_size=tensor_parallel_size, **engine_hooks)
         self.tokenizer = self.engine.tokenizer
+        self._init_routing()
+
+    def _init_routing(self) -> None:
+        self._lock = threading.Lock()                 # held while stepping the engine / routing outputs
+        self._holder: int | None = None               # the thread holding _lock
+        self._owners: dict[str, deque] = {}           # unfinished request id -> its call's output queue
+        self._aborts: deque[str] = deque()            # abandoned requests not aborted yet
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
         """An LLM over an engine built elsewhere (e.g. with hooks, or shared with a server)."""
         llm = cls.__new__(cls)
         llm.engine, llm.tokenizer = engine, engine.tokenizer
+        llm._init_routing()
         return llm
 
     def _add_all(self, prompts, params, tags, tenants=None) -> list[str]:
@@ -57,25 +80,91 @@ class LLM:
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None,
                  tags: Sequence[str] | None = None, tenants: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in prompt order. ``tenants``:
-        per prompt, whose earlier outputs a scoped suffix drafter may draft from."""
-        ids = self._add_all(prompts, params, tags, tenants)
+        per prompt, whose earlier outputs a scoped suffix drafter may draft from. Safe to call from
+        several threads (see the class docstring)."""
+        ids, box = self._submit(prompts, params, tags, tenants)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while len(done) < len(ids):
+                for out in self._next(box):
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            if len(done) < len(ids):                  # raised (or interrupted): abort what still runs
+                self._abandon(ids)
         return [done[i] for i in ids]
 
     def generate_stream(self, prompts, params=None, tags=None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput (with new_token_ids / new_text) each time a request advances."""
-        ids = set(self._add_all(prompts, params, tags))
+        """Yield a RequestOutput (with new_token_ids / new_text) each time a request advances. The
+        requests are queued at the first ``next()``; leaving the stream before they finish (break,
+        ``close()``, garbage collection) aborts them and frees their KV."""
+        ids, box = self._submit(prompts, params, tags)
         remaining = set(ids)
-        while remaining:
-            for out in self.engine.step():
-                if out.request_id in ids:
-                    yield out
+        try:
+            while remaining:
+                for out in self._next(box):
                     if out.finished:
                         remaining.discard(out.request_id)
+                    yield out
+        finally:
+            if remaining:
+                self._abandon(remaining)
+
+    # ------------------------------------------------------------------ the shared engine loop
+    @contextmanager
+    def _locked(self):
+        """Hold the step lock (recording the holder: a stream garbage-collected while this thread
+        holds it, at any allocation, must not wait for the lock itself); abort the requests of
+        streams collected meanwhile on the way out."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+                self._abort_pending()
+            finally:
+                self._holder = None
+
+    def _submit(self, prompts, params, tags, tenants=None) -> tuple[list[str], deque]:
+        """Queue the requests and register them to one new output queue (atomically: no step can
+        run between the two, so none of their outputs goes unrouted)."""
+        with self._locked():
+            ids = self._add_all(prompts, params, tags, tenants)
+            box: deque = deque()
+            for i in ids:
+                self._owners[i] = box
+        return ids, box
+
+    def _next(self, box: deque) -> list[RequestOutput]:
+        """The outputs waiting in ``box``; if none, step the engine once first (routing every
+        output to its call's queue). May return [] (the step did not advance these requests)."""
+        with self._locked():
+            self._abort_pending()
+            if not box:
+                for out in self.engine.step():
+                    owner = self._owners.get(out.request_id)
+                    if owner is None:                 # abandoned (or not submitted through this LLM)
+                        continue
+                    owner.append(out)
+                    if out.finished:
+                        self._owners.pop(out.request_id, None)
+            outs = list(box)
+            box.clear()
+        return outs
+
+    def _abandon(self, ids) -> None:
+        """Abort the given requests still running (their KV is freed now; their final "abort"
+        outputs, emitted at the next step, go nowhere)."""
+        for i in ids:
+            if self._owners.pop(i, None) is not None:
+                self._aborts.append(i)
+        if self._holder == threading.get_ident():
+            return        # collected while this thread holds the lock: aborted when it lets go
+        with self._locked():
+            pass
+
+    def _abort_pending(self) -> None:
+        while self._aborts:
+            self.engine.abort_request(self._aborts.popleft())
 
     def stats(self) -> dict:
         return self.engine.metrics.snapshot()
@@ -84,5 +173,9 @@ class LLM:
         """Run a few requests so kernels, caches and the cost model settle before serving, and
         calibrate the cost model (what the budget policy plans with; the plain-step time the
         speedup estimate divides by). ``prompts``: typical requests (text or token ids) to run and
-        calibrate on (up to ``num_requests`` of them run first); without them, synthetic ones."""
-        warm_up(self.engine, prompts, num_requests, max_tokens)
+        calibrate on (up to ``num_requests`` of them run first); without them, synthetic ones. Not
+        while a generate call is in flight (RuntimeError): it runs the engine until idle."""
+        with self._locked():
+            if self._owners:
+                raise RuntimeError("warmup() needs an idle LLM: generate calls are in flight")
+            warm_up(self.engine, prompts, num_requests, max_tokens)

@@ -77,8 +77,9 @@ class BatchControls:
 
     states: list[ControlState | None]   # [B] host: None for a request without logit controls
     penalties: PenaltyTable | None      # None: no request has a penalty or bias
-    context_tail: torch.Tensor | None   # [B, L] int64: each request's last L context tokens, -1 padded on the
-                                        # left (L = the longest bad-word prefix); None: no multi-token bad word
+    context_tail: list[list[int]] | None   # [B] host: each request's last L context tokens (fewer if its
+                                           # context is shorter; L = the longest bad-word prefix); None: no
+                                           # multi-token bad word
 
 
 def batch_controls(batch, device) -> BatchControls | None:
@@ -88,15 +89,19 @@ def batch_controls(batch, device) -> BatchControls | None:
         return None
     penalties = _penalty_table(batch, states, device) if any(
         s is not None and s.params.has_penalties for s in states) else None
-    tail_len = max((len(p) for s in states if s is not None for p, _ in s.sequence_bans), default=0)
-    tail = None
-    if tail_len:
-        rows = []
-        for r in batch:
-            ctx = r.token_ids[-tail_len:]
-            rows.append([-1] * (tail_len - len(ctx)) + ctx)
-        tail = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    tail_len = max((s.sequence_bans.depth for s in states if s is not None and s.sequence_bans is not None),
+                   default=0)
+    tail = [_context_tail(r, tail_len) for r in batch] if tail_len else None
     return BatchControls(states, penalties, tail)
+
+
+def _context_tail(r, n: int) -> list[int]:
+    """The last n tokens of r's context (prompt + output), without copying the whole context."""
+    out = r.output_token_ids
+    if len(out) >= n:
+        return out[len(out) - n:]
+    prompt = r.prompt_token_ids
+    return prompt[max(len(prompt) - (n - len(out)), 0):] + out
 
 
 def _penalty_table(batch, states, device) -> PenaltyTable:
@@ -154,25 +159,23 @@ def apply_controls(logits: torch.Tensor, ctl: BatchControls, row_request: list[i
 
 def _ban_sequences(logits, ctl: BatchControls, states, row_request, row_offset, draft_token_ids) -> None:
     """Multi-token bad words: ban the last token at the rows whose history (context tail, then the
-    drafts before the row) ends with the word's other tokens. [P] (row, word) pairs at once."""
-    dev, L = logits.device, ctl.context_tail.shape[1]
-    pairs = [(r, prefix, tok) for r, s in enumerate(states) if s is not None for prefix, tok in s.sequence_bans]
-    if not pairs:
-        return
-    prefixes = np.full((len(pairs), L), -1, np.int64)
-    for j, (_, prefix, _) in enumerate(pairs):
-        prefixes[j, L - len(prefix):] = prefix
-    rows = torch.tensor([r for r, _, _ in pairs], dtype=torch.int64).to(dev, non_blocking=True)
-    history = torch.cat([ctl.context_tail, draft_token_ids.long()], 1)             # [B, L + K]
-    req = torch.tensor([row_request[r] for r, _, _ in pairs], dtype=torch.int64).to(dev, non_blocking=True)
-    off = torch.tensor([row_offset[r] for r, _, _ in pairs], dtype=torch.int64).to(dev, non_blocking=True)
-    window = history[req[:, None], off[:, None] + torch.arange(L, device=dev)]        # [P, L]: before the row
-    prefix = torch.from_numpy(prefixes).to(dev, non_blocking=True)
-    hit = ((window == prefix) | (prefix < 0)).all(1)                                  # [P]
-    tokens = torch.tensor([tok for _, _, tok in pairs], dtype=torch.int64).to(dev, non_blocking=True)
-    flat = rows * logits.shape[1] + tokens
-    inf = torch.full_like(hit, float("inf"), dtype=logits.dtype)
-    logits.view(-1).scatter_reduce_(0, flat, torch.where(hit, -inf, inf), reduce="amin")
+    drafts before the row) ends with the word's other tokens, looked up in each request's BanTrie
+    (per row: at most the longest prefix's length of look-ups, whatever the number of words). The
+    drafts come to the host only when a row with such words follows some."""
+    rows = [r for r, s in enumerate(states) if s is not None and s.sequence_bans is not None]
+    drafts = draft_token_ids.tolist() if any(row_offset[r] for r in rows) else None
+    hit_rows, hit_tokens = [], []
+    for r in rows:
+        b, o = row_request[r], row_offset[r]
+        history = ctl.context_tail[b] + drafts[b][:o] if o else ctl.context_tail[b]
+        tokens = states[r].sequence_bans.banned_after(history)
+        if tokens.size:
+            hit_rows.append(np.full(tokens.size, r, np.int64))
+            hit_tokens.append(tokens)
+    if hit_rows:
+        dev = logits.device
+        logits[torch.from_numpy(np.concatenate(hit_rows)).to(dev, non_blocking=True),
+               torch.from_numpy(np.concatenate(hit_tokens)).to(dev, non_blocking=True)] = float("-inf")
 
 
 # ----------------------------------------------------------------------------- log-probabilities

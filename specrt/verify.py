@@ -91,6 +91,38 @@ def feeds_context(r) -> bool:
     return r.context_len - r.target_cached > 1 or _scores_prompt(r)
 
 
+PROMPT_LOGPROB_ROWS = 256   # prompt rows (prompt_logprobs) whose [rows, V] logits exist at once
+
+
+class PromptRows:
+    """The prompt rows of a step that scores prompts, as final-normed hidden states [P, H] and the
+    target's LM head: their logits are made PROMPT_LOGPROB_ROWS rows at a time (an 8k-token prompt
+    never has its [P, V] logits in memory). ``head_of(vb, target, hidden_layers)`` says whether a
+    step can: it then runs the target with ``logits_indices`` = the verified rows and ``all_hidden``."""
+
+    def __init__(self, hidden: torch.Tensor, head):
+        self.hidden, self.head = hidden, head
+
+    @staticmethod
+    def head_of(vb: VerifyBatch, target, hidden_layers) -> torch.nn.Module | None:
+        """The target's LM head if this step's prompt rows are to be scored from their hidden
+        states, else None (no prompt rows; a target without one; the forward returns fused layer
+        features instead of the final-normed state: the prompt rows' logits come from the forward)."""
+        head = getattr(target, "lm_head", None)
+        if not vb.prompt_rows or hidden_layers is not None or not isinstance(head, torch.nn.Module):
+            return None
+        return head
+
+    @classmethod
+    def take(cls, vb: VerifyBatch, every_hidden: torch.Tensor, head) -> "PromptRows":
+        """From the forward's final-normed hidden of every fed row [T, H]."""
+        return cls(every_hidden.index_select(0, vb.logits_indices[len(vb.row_request):]), head)
+
+    def logits(self, a: int, e: int) -> torch.Tensor:
+        """[e - a, V] float32: the logits of prompt rows a..e-1."""
+        return self.head(self.hidden[a:e]).float()
+
+
 def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatch:
     """Lay out every request's pending tokens + drafts; reserve nothing (the slots exist). A request
     scoring its prompt feeds all of it: positions whose KV is cached already (a shared prefix) are
@@ -163,14 +195,16 @@ def _parents_tensor(proposal: DraftProposal, kmax: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32).view(len(rows), kmax).to(device, non_blocking=True)
 
 
-def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_token_ids: list[int]) -> Verified:
+def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_token_ids: list[int],
+           prompt: PromptRows | None = None) -> Verified:
     """On the device: the emitted tokens from the target's logits [R + P, V] (verified rows, then
-    prompt rows): controls, then greedy verification or the sampling transform and rejection
-    sampling. ``acceptance`` None: no drafter (plain sampling)."""
+    prompt rows; [R, V] with ``prompt``, whose rows' logits are made a chunk at a time): controls,
+    then greedy verification or the sampling transform and rejection sampling. ``acceptance``
+    None: no drafter (plain sampling)."""
     B, kmax = len(vb.num_draft_tokens), vb.draft_token_ids.shape[1]
     counts = [k + 1 for k in vb.num_draft_tokens]
     R = len(vb.row_request)
-    prompt_logits, logits = logits[R:], logits[:R]                                   # [P, V], [R, V]
+    prompt_logits, logits = logits[R:], logits[:R]                                   # [P, V] ([0, V]), [R, V]
     if vb.controls is not None:
         apply_controls(logits, vb.controls, vb.row_request, vb.row_offset, vb.draft_token_ids)
     mask_eos(logits, vb.row_params, vb.output_index, eos_token_ids)
@@ -192,7 +226,7 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
                                                     vb.num_draft_tokens_t, vb.seeds, vb.first_positions,
                                                     method=acceptance, check_values=False)
     return Verified(tokens, accepted, _output_logprobs(vb, logits, probs, tokens),
-                    _prompt_logprobs(vb, prompt_logits), nodes)
+                    _prompt_logprobs(vb, prompt_logits, prompt), nodes)
 
 
 def _accept_tree(vb: VerifyBatch, logits, acceptance: str | None, counts: list[int], kmax: int):
@@ -242,12 +276,25 @@ def _output_logprobs(vb: VerifyBatch, logits, probs, tokens) -> RowLogprobs | No
     return row_logprobs(logp, tok.clamp(min=0), [p.logprobs for p in params])
 
 
-def _prompt_logprobs(vb: VerifyBatch, logits) -> RowLogprobs | None:
+def _prompt_logprobs(vb: VerifyBatch, logits, prompt: PromptRows | None = None) -> RowLogprobs | None:
+    """Of each prompt row's next prompt token, PROMPT_LOGPROB_ROWS rows at a time: only each row's
+    top-N and its token's log-probability are kept, never a [P, V] log-softmax. The rows' logits
+    are ``logits`` [P, V], or (``prompt``) made from their hidden states a chunk at a time too."""
     if not vb.prompt_rows:
         return None
-    tok = torch.tensor([t for _, t in vb.prompt_rows], dtype=torch.int64).to(logits.device, non_blocking=True)
-    return row_logprobs(torch.log_softmax(logits, -1), tok,
-                        [vb.params[b].prompt_logprobs for b, _ in vb.prompt_rows])
+    P = len(vb.prompt_rows)
+    dev = prompt.hidden.device if prompt is not None else logits.device
+    tok = torch.tensor([t for _, t in vb.prompt_rows], dtype=torch.int64).to(dev, non_blocking=True)
+    top_n = [vb.params[b].prompt_logprobs for b, _ in vb.prompt_rows]
+    n = max(top_n)                    # every chunk keeps the same N columns (rows report their own)
+    parts = []
+    for a in range(0, P, PROMPT_LOGPROB_ROWS):
+        e = min(a + PROMPT_LOGPROB_ROWS, P)
+        x = prompt.logits(a, e) if prompt is not None else logits[a:e]               # [<= chunk, V]
+        parts.append(row_logprobs(torch.log_softmax(x, -1), tok[a:e], [n] * (e - a)))
+    n = min(n, parts[0].top_logprob.shape[1])
+    return RowLogprobs(torch.cat([p.token_logprob for p in parts]), torch.cat([p.top_logprob for p in parts]),
+                       torch.cat([p.top_token for p in parts]), [min(k, n) for k in top_n])
 
 
 def commit_logprobs(r, b: int, result: VerifyResult) -> list[TokenLogprob] | None:
