@@ -103,7 +103,7 @@ def choose_layers(target, store, vocab, num_layers: int = 2, candidates: int = 4
 def build_data(args, target, tokenizer, work: str, log=print):
     """Stage 1: the teacher store of the training data (and of the held-out prompts)."""
     from specrt.training.onpolicy import corpus_sequences
-    from specrt.training.teacher import build_teacher_store, generate_store, load_teacher, text_store
+    from specrt.training.teacher import TeacherShard, build_teacher_store, generate_store, text_store
     from specrt.training.teacher_store import open_teacher_store
 
     train_dir = os.path.join(work, "train")
@@ -130,15 +130,32 @@ def build_data(args, target, tokenizer, work: str, log=print):
                    feats, layers, log=log)
     heldout = None
     if args.heldout_prompts:
-        held_dir = os.path.join(work, "heldout" if layers is None else "heldout-" + "-".join(map(str, layers)))
-        generate_store(target, tokenizer, held_dir, "heldout", args.heldout_prompts, args.gen_batch,
-                       min(args.max_new_tokens, 128), [0.0], args.topk, True, args.seed, log=log,
-                       hidden_layers=layers)
-        heldout = load_teacher(held_dir)
+        heldout = TeacherShard.concat([
+            heldout_store(args, target, tokenizer, work, kind, layers, log) for kind in args.heldout.split(",")])
     folders = [d for d in [train_dir, text_dir, *args.extra_data] if glob.glob(os.path.join(d, "teacher_*.safetensors"))]
     if not folders:
         raise ValueError(f"no training data: {train_dir} has no teacher shards and no --extra-data was given")
     return open_teacher_store(folders), heldout
+
+
+def heldout_store(args, target, tokenizer, work: str, kind: str, layers, log=print):
+    """The target's greedy answers (128 tokens at most) to ``--heldout-prompts`` held-out prompts of
+    one kind: "builtin" (the templates' held-out fillers) or "sources" (held-out stdlib files,
+    HumanEval tasks and reference topics mixed with them). Never trained on."""
+    from specrt.training.teacher import generate_store, load_teacher
+
+    if kind not in ("builtin", "sources"):
+        raise ValueError(f"--heldout {kind!r}: expected 'builtin', 'sources' or both, comma-separated")
+    tag = "" if layers is None else "-" + "-".join(map(str, layers))
+    held_dir = os.path.join(work, ("heldout" if kind == "builtin" else "heldout-sources") + tag)
+    records = None
+    if kind == "sources":
+        from specrt.training.sources import mixed_prompts
+        records = mixed_prompts("heldout", args.heldout_prompts, args.seed)
+    generate_store(target, tokenizer, held_dir, "heldout", args.heldout_prompts, max(args.gen_batch, 128),
+                   min(args.max_new_tokens, 128), [0.0], args.topk, True, args.seed, log=log,
+                   hidden_layers=layers, prompt_records=records)
+    return load_teacher(held_dir)
 
 
 def feature_layers(args, num_layers: int) -> tuple[int, ...] | None:
@@ -287,21 +304,30 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also teacher-force the raw text of these sources 'a,b' (e.g. "
                          "stdlib-code,python-reference,stdlib-docstrings): fast positions without decoding")
     ap.add_argument("--heldout-prompts", type=int, default=64, help="held-out prompts to evaluate on (0 = skip)")
-    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--heldout", default="builtin,sources",
+                    help="which held-out prompts, comma-separated: builtin (template fillers never trained "
+                         "on), sources (held-out stdlib files, HumanEval tasks, reference topics)")
+    ap.add_argument("--max-new-tokens", type=int, default=192,
+                    help="on-policy: tokens the target answers each training prompt with (held-out: at most 128)")
     ap.add_argument("--temperatures", default="0,0.7,1.0,0", help="on-policy sampling temperatures (cycled)")
     ap.add_argument("--gen-batch", type=int, default=128, help="sequences generated together")
     ap.add_argument("--topk", type=int, default=32, help="teacher log-probabilities stored per position")
     ap.add_argument("--vocab", default="auto", help="draft vocabulary size N, or auto")
-    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--steps", type=int, default=2000,
+                    help="optimizer steps; the learning-rate schedule spans them (with --budget-min, whichever "
+                         "ends first)")
     ap.add_argument("--budget-min", type=float, default=0.0, help="training wall-time budget (0 = --steps)")
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--lr", type=float, default=5e-4,
+                    help="peak AdamW learning rate (cosine decay to a tenth of it after --warmup)")
+    ap.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
+    ap.add_argument("--batch-tokens", type=int, default=4096,
+                    help="padded tokens per training batch (sequences of similar length packed together)")
     ap.add_argument("--chain-steps", type=int, default=3, help="feature drafts: chain positions trained")
     ap.add_argument("--dtype", default="bfloat16", help="the target's dtype for the data pass")
     ap.add_argument("--work", default=None, help="data, teacher shards and checkpoints (default OUT.work)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads for the data pass and training")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the prompt mix, the sampled answers and the batch order (same seed, same run)")
     return ap
 
 
