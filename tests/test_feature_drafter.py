@@ -277,7 +277,7 @@ def test_greedy_equals_autoregressive(fdir, ar, k):
 def test_drafting_resumes_over_a_shared_prefix(fdir, ar):
     """A request reusing another's prefix blocks never saw their features (its target forward
     starts past them): those positions read zeros, drafting goes on, the output is exact."""
-    sp = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=3, block_size=4), seed=0)
+    sp = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="chain"), seed=0)
     eng = sp.engine
     seen = []
     alloc = eng.scheduler.try_allocate
