@@ -3,9 +3,10 @@
 // return the same floats bit for bit.
 //
 // Bit identity across paths needs a fixed operation order: exp is exp_det
-// below (plain float operations, no FMA, no libm), and every row sum is kept
-// in 16 double lanes (entry v goes to lane v % 16) that are added in lane
-// order at the end, which is what a 16-float vector loop does naturally.
+// (specrt/exp_det.h, shared with the CUDA kernel: plain float operations, no
+// FMA, no libm), and every row sum is kept in 16 double lanes (entry v goes to
+// lane v % 16) that are added in lane order at the end, which is what a
+// 16-float vector loop does naturally.
 #pragma once
 
 #include <cmath>
@@ -13,32 +14,11 @@
 
 #include "cpu/cpu_isa.h"
 #include "specrt/common.h"
+#include "specrt/exp_det.h"
 
 namespace specrt {
 
 constexpr int kSumLanes = 16;
-
-// exp(y) for y <= 0 (Cephes expf: Cody-Waite reduction by ln 2, degree-6
-// polynomial, within ~1 ulp); y < -104, -inf and NaN give 0. The scale 2^n
-// (n >= -150) is applied as 2^floor(n/2) * 2^(n - floor(n/2)): two normal
-// factors, so the product rounds once, also into the subnormal range.
-inline float exp_det(float y) {
-  if (!(y >= -104.0f)) return 0.0f;
-  const float n = (y * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const float r = (y - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = (p * (r * r) + r) + 1.0f;
-  const int32_t k = static_cast<int32_t>(n);
-  const int32_t k1 = k >> 1;  // floor(k / 2)
-  const float s1 = uint_as_float(static_cast<uint32_t>(k1 + 127) << 23);
-  const float s2 = uint_as_float(static_cast<uint32_t>(k - k1 + 127) << 23);
-  return (p * s1) * s2;
-}
 
 inline double sum_lanes(const double (&lanes)[kSumLanes]) {
   double sum = 0.0;

@@ -36,6 +36,7 @@
 
 #include "cuda_utils.cuh"
 #include "ops.h"
+#include "specrt/exp_det.h"
 #include "specrt/philox.h"
 #include "specrt/sampling.h"
 
@@ -363,7 +364,7 @@ __global__ void __launch_bounds__(kProbsThreads)
   auto scaled_exp = [&](float val) -> float {
     const float xs = val / t;
     if (!(xs >= kth)) return 0.0f;  // masked to -inf by top-k (or NaN)
-    const float e = expf(xs - m);   // exp(-inf) == 0
+    const float e = exp_det(xs - m);  // the CPU kernel's exp (specrt/exp_det.h); exp_det(-inf) == 0
     return min_p_drops(e, mp) ? 0.0f : e;
   };
 
