@@ -7,6 +7,11 @@ Environment:
   CUDA_HOME / CUDACXX    where to find nvcc (default: /usr/local/cuda, then PATH).
   MAX_JOBS               parallel compile jobs.
 Install with `pip install --no-build-isolation .` so the extension is built against the torch you run.
+
+Progress: every compiled file is one line, "specrt [done/total, elapsed] Building CXX object ...";
+`pip install -v` shows them (pip hides a build's output otherwise). The CMake build folder is
+build/temp.*/{cpu,cuda} in the source tree, kept between builds: a second `pip install` of the same
+tree with the same torch recompiles only what changed (seconds instead of minutes).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -135,9 +141,20 @@ class CMakeBuild(build_ext):
             except ImportError:
                 pass
             cfg.append(f"-DSPECRT_EXTRA_CUDA_INCLUDE_DIRS={';'.join(extra)}")
+        fresh = not any((build_temp / f).exists() for f in ("build.ninja", "Makefile"))
+        if "pip-req-build-" in str(ROOT):
+            print("specrt: pip is building a temporary copy of the source (pip < 21.3), so this compile is not kept "
+                  "for the next install: `pip install -U pip` builds in the checkout and reuses build/", flush=True)
+        t0 = time.monotonic()
         subprocess.check_call(cfg, cwd=build_temp)
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
-        subprocess.check_call([cmake, "--build", ".", "--parallel", jobs], cwd=build_temp)
+        print(f"specrt: {'compiling' if fresh else 'updating'} specrt._C in {build_temp} with {jobs} parallel jobs: "
+              + ("the first build takes minutes (about 8 on 2 cores), one line per file"
+                 if fresh else "only files changed since the last build recompile"), flush=True)
+        env = dict(os.environ)
+        env.setdefault("NINJA_STATUS", "specrt [%f/%t, %es] ")    # ninja's progress prefix: done/total, elapsed
+        subprocess.check_call([cmake, "--build", ".", "--parallel", jobs], cwd=build_temp, env=env)
+        print(f"specrt: specrt._C built in {time.monotonic() - t0:.0f} s", flush=True)
         built = list(ext_path.parent.glob("_C*.so"))
         if not any(p.name == ext_path.name for p in built):
             raise RuntimeError(f"CMake did not produce {ext_path.name} in {ext_path.parent} (found {built})")

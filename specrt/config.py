@@ -34,6 +34,34 @@ MAX_LOGPROBS = 20                           # top log-probabilities per token (O
 MAX_TOKEN_LIST = 1 << 20                    # entries of logit_bias / allowed_token_ids / bad_words_ids
 MAX_BAD_WORD_TOKENS = 64                    # tokens of one banned sequence
 
+DEFAULT_KV_CACHE_BUDGET = 0.5               # SpecConfig.kv_cache_budget: half the free device memory
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3,
+                 "gb": 1000 ** 3, "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3,
+                 "tib": 1024 ** 4}
+
+
+def parse_memory_size(text: str, name: str = "memory") -> float | int:
+    """'2GiB', '512MB', '1000000' -> bytes (int); '0.5' (a number in (0, 1] with a point) -> that
+    fraction of free device memory (float). The values of ``specrt serve --kv-cache-memory`` and
+    of ``SpecConfig(kv_cache_memory=...)``; ValueError naming ``name`` otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _MEMORY_UNITS:
+        raise ValueError(f"{name} must be bytes ('2GiB', '512MB', '1000000') or a fraction in (0, 1] of free "
+                         f"memory ('0.5'), got {text!r:.40}")
+    value = float(m.group(1))
+    if not unit and value <= 1.0 and "." in m.group(1):
+        if value <= 0.0:
+            raise ValueError(f"{name}: a fraction must be in (0, 1], got {text!r:.40}")
+        return value
+    n = int(value * _MEMORY_UNITS[unit])
+    if n < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {text!r:.40}")
+    return n
+
+
 # SpecConfig's defaults per policy (the measurements behind them: docs/policy.md, "Defaults"): the
 # design's starting values (min 1, max 8, threshold 0.6, window 100) where they do not slow the
 # policy down. The fixed policy keeps K=4 and the budget policy max 4 / min 0 (K=8 measured slower
@@ -268,6 +296,11 @@ class SpecConfig:
     attends only to its first ``draft_kv_sinks`` tokens plus the last W (StreamingLLM-style,
     whole KV blocks), so its cost stops growing with the context; the target always verifies
     over the full context, so the output is exact (only acceptance can drop).
+    kv_cache_memory: the KV cache's size, under the name of the server's ``--kv-cache-memory``
+    flag and taking the same values: a fraction in (0, 1] of free device memory (``0.5``,
+    ``"0.5"``) or bytes (``2 ** 31``, ``"2GiB"``, ``"512MB"``). ``kv_cache_budget`` is the same
+    setting under its older name, still accepted, and the field the resolved value is read from
+    (default 0.5); naming both with different values is an error.
     max_model_len: None (the models' own context) or a cap of at least 2 tokens (one prompt
     token and one generated token).
 
@@ -291,7 +324,7 @@ class SpecConfig:
     overlap: bool = False
     max_batch_size: int = 32
     block_size: int = 16
-    kv_cache_budget: float | int = 0.5   # fraction of free device memory, or bytes
+    kv_cache_budget: float | int = DEFAULT_KV_CACHE_BUDGET   # fraction of free device memory, or bytes
     max_model_len: int | None = None
     prefix_sharing: bool = True
     admission: str = "fifo"
@@ -302,6 +335,8 @@ class SpecConfig:
     max_tree_nodes: int = DEFAULT_TREE_NODES
     tree_branching: int = DEFAULT_TREE_BRANCHING
     extra: dict = field(default_factory=dict)
+    # the serve flag's name for kv_cache_budget (str or number); None: not given
+    kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
     # whether max_draft_length was named (else the policy's default, which a drafter may replace:
     # suffix drafting's chains run longer)
     draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
@@ -330,6 +365,7 @@ class SpecConfig:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_METHODS}, got {self.acceptance!r:.60}")
         _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE)
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        self._resolve_kv_cache_memory()
         self._check_budget(self.kv_cache_budget)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2, INT32_MAX, " (or None: the models' own context)")
@@ -391,11 +427,26 @@ class SpecConfig:
             logger.warning("SpecConfig: %s ha%s no effect: policy=%r %s", ", ".join(ignored),
                            "ve" if len(ignored) > 1 else "s", p, why)
 
+    def _resolve_kv_cache_memory(self) -> None:
+        """kv_cache_memory (the serve flag's name) sets kv_cache_budget (the field the engine reads)."""
+        if self.kv_cache_memory is None:
+            return
+        value = self.kv_cache_memory
+        if isinstance(value, str):
+            value = parse_memory_size(value, "kv_cache_memory")
+        else:
+            self._check_budget(value, "kv_cache_memory")
+        budget = self.kv_cache_budget
+        if budget != DEFAULT_KV_CACHE_BUDGET and budget != value:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r:.40} and kv_cache_budget={budget!r:.40} name "
+                             "the same setting (kv_cache_budget is its older name): give one of them")
+        self.kv_cache_budget = self.kv_cache_memory = value
+
     @staticmethod
-    def _check_budget(budget) -> None:
+    def _check_budget(budget, name: str = "kv_cache_budget") -> None:
         if isinstance(budget, float) and math.isfinite(budget) and 0.0 < budget <= 1.0:
             return
         if _is_int(budget) and 1 <= budget <= INT64_MAX:
             return
-        raise ValueError("kv_cache_budget must be a fraction in (0, 1] of free memory (float) or a byte count "
+        raise ValueError(f"{name} must be a fraction in (0, 1] of free memory (float) or a byte count "
                          f"(int >= 1), got {budget!r:.60}")
