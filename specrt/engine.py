@@ -117,6 +117,10 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._finished_pending: list[Request] = []
         self._health_checked = time.monotonic()
+        # the speedup estimate's measured time is the whole step's: the bookkeeping after a step's
+        # time was taken (cost fits, outputs, health checks) counts in the next recorded step
+        self._recorded_until: float | None = None
+        self._untimed_s = 0.0
 
     @property
     def speculative(self) -> bool:
@@ -199,6 +203,7 @@ class LLMEngine:
     def _step(self, forced_k: int | None) -> list[RequestOutput]:
         """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""
         t0 = time.perf_counter()
+        self._recorded_until = None
         if self.drafter is not None:
             self.drafter.fence()                         # a pre-draft still running (CUDA) before KV writes
         for r in self.scheduler.admit():                 # refused for good: the cache can never hold them
@@ -215,7 +220,11 @@ class LLMEngine:
             self._health_checked = time.monotonic()
             self.metrics.draft_misaligned = getattr(self.drafter, "draft_params", None) is not None
             self.metrics.check_health()
-        return outs + self._drain_finished(exclude={o.request_id for o in outs})
+        outs = outs + self._drain_finished(exclude={o.request_id for o in outs})
+        if self._recorded_until is not None:
+            self._untimed_s += time.perf_counter() - self._recorded_until
+            self._recorded_until = None
+        return outs
 
     def _run(self, batch: list[Request], forced_k: int | None, t0: float) -> list[RequestOutput]:
         """One speculative step over ``batch`` (``t0``: when the step began, admission included).
@@ -266,6 +275,8 @@ class LLMEngine:
             raise
         samples, ended = commit_step(self._commit_ctx, self.metrics, batch, proposal, result,
                                      verify_s=time.perf_counter() - t_verify - pre_s)
+        for r in batch:
+            r.just_admitted = False                      # its first step since admission has committed
         for e in ended:
             self._finish(e.request, e.reason, e.error)
         if forced_k is None:                             # calibration requests are synthetic: no evidence
@@ -283,7 +294,10 @@ class LLMEngine:
                                       step_s, step_s - proposal.cost.seconds, vb.num_query_tokens,
                                       self.costs.ar_step_time(n, vb.num_context_tokens, n), n,
                                       drafted=nodes is not None, fed_context=vb.num_query_tokens > n + drafted)
-        record_samples(self.costs, self.metrics, samples, vb, proposal, total_s, self.speculative)
+        untimed, self._untimed_s = self._untimed_s, 0.0    # the last recorded step's bookkeeping after its time
+        record_samples(self.costs, self.metrics, samples, vb, proposal, total_s, self.speculative,
+                       limits.seconds if limits else 0.0, untimed)
+        self._recorded_until = t0 + total_s
         return [r.output(*before[i]) for i, r in enumerate(batch)]
 
     def _isolate(self, batch: list[Request], forced_k: int | None) -> list[RequestOutput]:
@@ -304,8 +318,11 @@ class LLMEngine:
         """The most tokens r may draft (after ``ahead`` more tokens): room in max_tokens and the context.
         0 while r's context is fed (a prefill): its rows then run in a forward of the same shape as
         without a drafter (prefill GEMMs and attention are not row-invariant: drafts appended to the
-        prompt would change its KV by ulps, and greedy output would differ from autoregressive)."""
-        if ahead == 0 and feeds_context(r):
+        prompt would change its KV by ulps, and greedy output would differ from autoregressive).
+        0 too on the first step after admission even when the prefix cache held all but the last
+        token (no prefill): the draft lengths, which a seeded request's tokens depend on under
+        rejection sampling, must not depend on what the cache held (specrt.scheduler)."""
+        if ahead == 0 and (feeds_context(r) or r.just_admitted):
             return 0
         remaining = r.params.max_tokens - r.num_generated - ahead - 1
         room = self.max_model_len - r.context_len - ahead - 1

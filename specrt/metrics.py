@@ -17,10 +17,21 @@ Definitions (per step = one target verification of one request):
   verified (overlap); exposed draft time = draft time - hidden. Draft share of the
   step: exposed draft time / (exposed draft time + verify time).
 - estimated speedup (an ESTIMATE, with its inputs reported beside it): the time
-  autoregressive decoding would have taken for the same emitted tokens, by the cost
-  model's fit of MEASURED plain (K=0) steps of this engine at the same batch size and
-  context (``ar_step_time``), over the measured wall time of the speculative steps.
-  None until plain steps were measured (calibration, or the budget policy's plain runs).
+  autoregressive decoding would have taken for the same emitted tokens over the measured
+  time of the speculative steps (tokens per second emitted / plain decoding's tokens per
+  second at the same batch size and context). The measured time is each step's whole wall
+  time: admission, planning, drafting, verification, commit and the engine's bookkeeping
+  after it (counted in the next step). The autoregressive time: a step that drafted nothing
+  costs what it measured; in a drafted step each token costs a share of one plain decode step
+  over its batch as the machine runs NOW (``CostModel.plain_step_now``: this engine's MEASURED
+  steady plain decode steps, fitted, times how much faster or slower the drafted steps' verify
+  parts run now than the ones measured together with those plain steps), the first token of a
+  request whose prompt the step fed the step's time besides drafting. A plain-step time
+  measured once at calibration, in another machine state than the steps it was divided by,
+  read 3-5x too high (issue 39, item 8). None until steady plain decode steps were measured
+  (calibration, warm-up, the budget policy's plain runs, a tree planner's plain steps). How
+  close it comes to a measured A/B: tests/test_hostile_estimate_speedup.py (within 1.5x on a
+  noisy shared machine) and ``python -m bench --sections speedup_estimate`` (the 15% goal).
 """
 from __future__ import annotations
 
@@ -169,8 +180,10 @@ class RequestStats:
             "step_time_s": self.step_time_s,
             "estimated_speedup": self.speedup_estimate(),
             "estimated_speedup_inputs": {
-                "basis": "autoregressive time from the cost model's fit of measured plain (K=0) steps at each "
-                         "step's batch size and context, over the measured step time",
+                "basis": "autoregressive time (a plain step's own measured time; for a drafted step's tokens, "
+                         "the fit of measured steady plain decode steps at its batch size and context, scaled by "
+                         "the machine's current speed from the drafted steps' verify times) over the measured "
+                         "whole step time",
                 "steps": self.estimated_steps, "autoregressive_time_s": self.ar_time_est_s,
                 "measured_time_s": self.estimated_step_time_s},
             "mean_context_len": self.context_tokens / steps if self.steps else 0.0,
@@ -347,9 +360,10 @@ class EngineMetrics:
                                  ("draft_share_of_step", "draft_share_of_step",
                                   "Exposed draft time / step time")):
             metric(name, "gauge", help_, [(lab, s.summary()[key]) for lab, s in groups])
-        metric("estimated_speedup", "gauge", "ESTIMATED speedup over autoregressive decoding: the cost model's "
-               "measured plain-step time for the same tokens / the measured step time (absent until plain steps "
-               "were measured)", [(lab, est) for lab, s in groups if (est := s.speedup_estimate()) is not None])
+        metric("estimated_speedup", "gauge", "ESTIMATED speedup over autoregressive decoding: the measured "
+               "plain decode step time for the same tokens, scaled to the machine's current speed / the measured "
+               "step time (absent until plain steps were measured)",
+               [(lab, est) for lab, s in groups if (est := s.speedup_estimate()) is not None])
         metric("position_acceptance_rate", "gauge", "P(drafts 0..i all accepted | position i drafted)",
                [({"position": str(i)}, a / d if d else 0.0)
                 for i, (a, d) in enumerate(zip(total.accepted_at, total.drafted_at))])

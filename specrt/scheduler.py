@@ -16,6 +16,12 @@ decoding with the same seed, whatever was drafted). Under acceptance="rejection"
 a seeded request's tokens depend on how many tokens were drafted at each step, so
 a request squeezed by the cache (drafts dropped, or preempted and recomputed) may
 emit different tokens than alone: another sample from the same distribution.
+
+What the prefix cache changes: not the draft lengths. The first step after a request's
+admission (``Request.just_admitted``) never drafts, whether it computes the prompt or finds
+all but its last token cached, so a seeded request's tokens under acceptance="rejection"
+are the same cold and warm (tests/test_hostile_seeded_cache.py; a row computed alone rather
+than within the prompt's forward may differ in ulps, as in plain decoding).
 """
 from __future__ import annotations
 
@@ -75,6 +81,8 @@ class Request:
     text: str = ""
     num_preemptions: int = 0
     waited_steps: int = 0             # steps it has been waiting (admission by acceptance bounds it)
+    just_admitted: bool = False       # its first step since (re)admission has not committed yet: it drafts
+                                      # nothing, whatever the prefix cache held (LLMEngine._k_cap)
     stats: RequestStats = field(default_factory=RequestStats)
     # acceptance history (1 = accepted, 0 = rejected) of the last drafted positions, for policies
     accept_history: deque = field(default_factory=lambda: deque(maxlen=64))
@@ -243,6 +251,7 @@ class Scheduler:
             return False
         req.target_cached = min(cached, req.context_len - 1)
         req.draft_cached = min(kv.cached_in_all_caches(req.request_id), req.target_cached)
+        req.just_admitted = True
         return True
 
     def reserve(self, batch: list[Request], ks: list[int]) -> tuple[list[Request], list[int], list[Request],

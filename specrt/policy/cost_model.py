@@ -11,6 +11,22 @@ Two linear models fitted by non-negative least squares over the recent steps:
   context attended, where depth is the number of draft forwards, tokens fed counts every token
   the draft consumed (catch-up included) and context attended sums each forward's rows'
   sequence lengths.
+
+The speedup estimate's reference (``plain_step_now``, specrt.metrics): what one plain decode step
+costs the machine NOW. Steady plain steps feeding one token per request are fitted (seconds ~ p0
++ p1 * context + p2 * requests: ``ref_plain``), and so are the verify parts of the drafted steps
+measured within REF_NEAR_STEPS steps and REF_NEAR_S seconds before one (``ref_drafted``: seconds
+~ r0 + r1 * tokens + r2 * context + r3 * requests): both in the same machine state (calibration
+interleaves runs of each; a budget policy's plain runs and a tree planner's plain steps do too).
+The later drafted steps' measured verify time over the second fit's prediction for them (a ratio
+of decayed sums: ``slowdown``) says how much slower or faster the machine runs now than when
+the reference was measured; a plain step now costs the first fit's time times that. A plain-step
+time measured once (at calibration, on a busy machine, or at a server's start next to another
+one) and compared with steps measured later in another machine state was off by 3-5x (issue 39,
+item 8); the ratio of two fits measured together is not. What it assumes: a change of machine
+state slows a plain step and a drafted step's verify part alike (true of a slower clock or a
+fair share of the cores; not quite of contention in bursts shorter than a step, such as another
+thread holding the interpreter lock); ``LLMEngine.calibrate()`` measures the reference afresh.
 """
 from __future__ import annotations
 
@@ -80,6 +96,19 @@ class CostModel:
         self._plain_added = 0        # plain samples ever added
         self.last_plain_at: float | None = None   # time.monotonic() of the last one
         self._plain_fitted_at = 0
+        # the speedup estimate's reference (module docstring): steady plain decode steps and the
+        # verify parts of the drafted steps measured right before them
+        self.ref_plain: list[tuple] = []         # (context, requests, seconds)
+        self.ref_drafted: list[tuple] = []       # (tokens, context, requests, seconds)
+        self._ref_added = [0, 0]
+        self._ref_fitted_at = [0, 0]
+        self._ref_coef = [None, None]            # [3] p0..p2 (1, context, requests); [4] r0..r3 (1, tokens, ...)
+        self._steps = 0                          # add_verify calls
+        self._before_plain: list[tuple] = []     # (step, time.monotonic(), drafted sample): ref_drafted if a
+                                                 # steady plain decode step follows soon
+        self._since_ref_plain: int | None = None    # steps since the last ref_plain sample (None: none yet)
+        self.slowdown: float | None = None       # recent drafted steps' verify time / ref_drafted's prediction
+        self._slowdown_sums = [0.0, 0.0]         # ... its decayed numerator and denominator
 
     def add_verify(self, tokens: int, context: int, seconds: float, drafted: bool = False, requests: int = 1,
                    step_seconds: float | None = None) -> bool:
@@ -99,7 +128,69 @@ class CostModel:
             self.num_plain += steady_plain
             self._added[0] += 1
             del self.verify_samples[:-tuning.COST_SAMPLES_KEPT]
+        self._add_reference(tokens, context, drafted, requests, seconds, steady_plain,
+                            seconds if step_seconds is None else step_seconds)
         return steady_plain
+
+    def _add_reference(self, tokens: int, context: int, drafted: bool, requests: int, seconds: float,
+                       steady_plain: bool, step_seconds: float) -> None:
+        """The speedup estimate's reference samples, and ``slowdown``: the recent drafted steps'
+        verify time over the reference's prediction for them (steps outside the reference), a
+        ratio of decayed sums (a per-step ratio would follow each step's own acceptance: a step
+        that accepted more commits more, and would price its extra tokens dearer)."""
+        self._steps += 1
+        now = time.monotonic()
+        if steady_plain and tokens == requests:         # a decode step: one token per request
+            self.ref_plain.append((context, requests, step_seconds))
+            self._ref_added[0] += 1
+            del self.ref_plain[:-tuning.COST_SAMPLES_KEPT]
+            near = [d for step, t, d in self._before_plain
+                    if self._steps - step <= tuning.REF_NEAR_STEPS and now - t <= tuning.REF_NEAR_S]
+            self.ref_drafted.extend(near)
+            self._ref_added[1] += len(near)
+            del self.ref_drafted[:-tuning.COST_SAMPLES_KEPT]
+            self._before_plain = []
+            self._since_ref_plain = 0
+            return
+        if self._since_ref_plain is not None:
+            self._since_ref_plain += 1
+        if not drafted:
+            return
+        self._before_plain.append((self._steps, now, (tokens, context, requests, seconds)))
+        del self._before_plain[:-tuning.REF_NEAR_STEPS]
+        if self._since_ref_plain is not None and self._since_ref_plain <= tuning.REF_NEAR_STEPS:
+            return            # just after the reference was measured (calibration's last drafted run): not news
+        predicted = self._ref_predict(1, (1.0, tokens, context, requests))
+        if predicted is not None:
+            d = tuning.SLOWDOWN_DECAY
+            num, den = self._slowdown_sums
+            self._slowdown_sums = [num * d + seconds, den * d + predicted]
+            self.slowdown = self._slowdown_sums[0] / self._slowdown_sums[1]
+
+    def _ref_predict(self, i: int, row: tuple) -> float | None:
+        """Reference fit i (0: plain decode steps, 1: drafted steps' verify parts) at ``row`` (its
+        columns, the constant first); None with fewer than AR_MIN_SAMPLES samples."""
+        samples = (self.ref_plain, self.ref_drafted)[i]
+        if len(samples) < tuning.AR_MIN_SAMPLES:
+            return None
+        added = self._ref_added[i]
+        due = max(1, min(added, tuning.COST_SAMPLES_KEPT) // tuning.REFIT_FRACTION)
+        if self._ref_coef[i] is None or added - self._ref_fitted_at[i] >= due:
+            a = np.array(samples[-tuning.COST_SAMPLES_FITTED:], dtype=float)
+            x = np.column_stack([np.ones(len(a)), a[:, :-1]])
+            self._ref_coef[i] = nonneg_fit(x, a[:, -1], always=[0], optional=list(range(1, x.shape[1])))
+            self._ref_fitted_at[i] = added
+        return max(float(np.dot(self._ref_coef[i], row)), 1e-9)
+
+    def plain_step_now(self, requests: int, context: int) -> float | None:
+        """Seconds one plain decode step over ``requests`` requests with ``context`` context tokens
+        in all costs the machine now (the module docstring): the reference plain fit times
+        ``slowdown`` (1 until drafted steps were measured after the reference). Before
+        AR_MIN_SAMPLES steady plain decode steps, ``ar_step_time``'s fit (None before any)."""
+        plain = self._ref_predict(0, (1.0, context, requests))
+        if plain is None:
+            return self.ar_step_time(requests, context, requests)
+        return plain * (self.slowdown if self.slowdown is not None else 1.0)
 
     def ar_step_time(self, tokens: int, context: int, requests: int) -> float | None:
         """Seconds of one plain (autoregressive) step over ``requests`` requests feeding ``tokens``
@@ -119,11 +210,18 @@ class CostModel:
 
     def plain_fit_info(self) -> dict:
         """What the speedup estimate's autoregressive step time rests on (for stats())."""
-        c = self._plain_coef
+        c, p, r = self._plain_coef, self._ref_coef[0], self._ref_coef[1]
         return {"plain_samples": len(self.plain_samples),
                 "seconds_per": None if c is None else dict(zip(("step", "token", "context_token", "request"),
                                                                  map(float, c))),
-                "last_sample_age_s": None if self.last_plain_at is None else time.monotonic() - self.last_plain_at}
+                "last_sample_age_s": None if self.last_plain_at is None else time.monotonic() - self.last_plain_at,
+                "reference_plain_decode_steps": len(self.ref_plain),
+                "reference_plain_seconds_per": None if p is None else dict(zip(("step", "context_token", "request"),
+                                                                               map(float, p))),
+                "reference_drafted_steps": len(self.ref_drafted),
+                "reference_verify_seconds_per": None if r is None else dict(
+                    zip(("step", "token", "context_token", "request"), map(float, r))),
+                "slowdown": self.slowdown}
 
     @property
     def plain_coef(self):

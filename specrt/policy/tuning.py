@@ -30,6 +30,9 @@ REFIT_CHANGE = 0.02           # a refit moving no prediction by more than this k
 FIT_RESIDUAL_SLACK = 0.02     # a fit with fewer columns wins within this much of the best residual
 FIT_MIN_SPREAD = 0.05         # a column varying less than this (std / |mean|) is left out of a fit
 AR_MIN_SAMPLES = 8            # steady plain steps before the speedup estimate has an autoregressive cost
+REF_NEAR_STEPS = 8            # drafted steps this close before a steady plain one share its machine state
+REF_NEAR_S = 2.0              # ... if this close in time too
+SLOWDOWN_DECAY = 0.98         # per drafted step, of the sums behind the machine's current slowdown (~50 steps)
 UNMEASURED_VERIFY = (1.0, 0.01)   # (seconds, per token): unitless verify cost until measured
 UNMEASURED_DRAFT_SHARE = 0.25     # an unmeasured draft forward costs this share of a verify
 
