@@ -274,3 +274,23 @@ def test_warm_start_grows_a_single_feature_draft_into_a_deeper_eagle3_one(tmp_pa
 def _saved(draft, folder):
     draft.save_pretrained(folder, dtype=torch.float32)
     return str(folder)
+
+
+def test_resuming_with_another_vocabulary_is_refused(tmp_path, target):
+    g = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in (30, 41)]
+    store = sparse_targets(target, seqs, [3, 3], k=8, features=True)
+    a = build_reduced_vocab(token_counts(store.token_ids, 4096), 1024, always=[0])
+    b = build_reduced_vocab(torch.arange(4096), 1024, always=[0])  # another data set's ids
+    t32 = target.float()
+    try:
+        d = init_draft(t32, "feature", [5], a)
+        e = init_draft(t32, "feature", [5], b)
+    finally:
+        target.to(torch.bfloat16)
+        target._prepared = False
+    ck = str(tmp_path / "ck.pt")
+    cfg = TrainConfig(steps=2, batch_tokens=96, warmup=1)
+    train_draft(d, store, a, cfg, ck, log=lambda *_: None, stop_at=1)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        train_draft(e, store, b, cfg, ck, log=lambda *_: None)

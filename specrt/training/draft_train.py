@@ -279,6 +279,10 @@ def train_draft(draft: DraftModel, store: TeacherShard, vocab: ReducedVocab, cfg
     step, elapsed, hist, positions, best = 0, 0.0, [], 0, None
     if ckpt_path and os.path.exists(ckpt_path):
         ck = torch.load(ckpt_path, map_location=dev)
+        held = ck["model"].get("draft_to_target")
+        if held is not None and not torch.equal(held.cpu(), vocab.draft_to_target.cpu()):
+            raise ValueError(f"{ckpt_path} was trained with another draft vocabulary than this run's (the data "
+                             f"changed): resume with the same data, or start a new --work with --init-from")
         draft.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         step, elapsed, hist = ck["step"], ck["elapsed"], ck["history"]
