@@ -1,0 +1,48 @@
+"""Held-out greedy chain acceptance of SmolLM2 drafts on fused-feature teacher stores.
+
+    PYTHONPATH=. python -m bench.draft_heldout --store builtin=WORK/heldout-2-15-30 \
+        --store sources=WORK/heldout-sources-2-15-30 specrt/builtin/smollm2-draft OTHER_DRAFT
+
+The stores hold features of target layers 2, 15 and the final state (``specrt distill`` /
+``specrt.training.teacher --feature-layers 2,15,30``); a single-feature draft reads their final
+block. Prints tau and per-position acceptance at K=4, the T=0.7 expected tau and the share of the
+target's greedy tokens in the draft's vocabulary, per draft and store.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+H = 576  # SmolLM2-135M's hidden size
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("drafts", nargs="+", help="draft folders")
+    ap.add_argument("--store", action="append", required=True, help="NAME=FOLDER of a held-out teacher store")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    from specrt.models import load_model
+    from specrt.models.draft_model import DraftModel
+    from specrt.models.registry import resolve_model
+    from specrt.training.draft_eval import chain_acceptance
+    from specrt.training.teacher import load_teacher
+
+    torch.set_num_threads(args.threads)
+    target = load_model(resolve_model("smollm2-135m", "target"), dtype="float32")
+    stores = dict(s.split("=", 1) for s in args.store)
+    for folder in args.drafts:
+        d = DraftModel.from_pretrained(folder, target)
+        for name, path in stores.items():
+            st = load_teacher(path)
+            if d.config.feature_layers is None:
+                st.features = st.features[:, 2 * H:].contiguous()
+            r = chain_acceptance(d, st, k=4)
+            print(folder, name, r["tau"], r["acceptance_per_position"], "vocab", r["target_top1_in_draft_vocab"],
+                  "T0.7", r["sampled_tau"], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
