@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specrt.config import parse_memory_size
+
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT_S = 30.0     # a client must send its whole request body within this time
 DEFAULT_MAX_CONNECTIONS = 512     # concurrent requests (health and metrics are never refused)
@@ -61,29 +63,7 @@ class ServerSettings:
             raise ValueError("allow_special_tokens_in_content must be a boolean")
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2, "g": 1000 ** 3, "gb": 1000 ** 3,
-          "t": 1000 ** 4, "tb": 1000 ** 4, "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4}
-
-
-def parse_memory(text: str, name: str = "memory") -> float | int:
-    """'2GiB', '512MB', '1000000' -> bytes (int); '0.5' (a number in (0, 1]) -> that fraction of
-    free device memory (float). ValueError naming ``name`` otherwise."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(f"{name} must be bytes ('2GiB', '512MB', '1000000') or a fraction in (0, 1] of free "
-                         f"memory ('0.5'), got {text!r:.40}")
-    value = float(m.group(1))
-    if not unit and value <= 1.0 and "." in m.group(1):
-        if value <= 0.0:
-            raise ValueError(f"{name}: a fraction must be in (0, 1], got {text!r:.40}")
-        return value
-    n = int(value * _UNITS[unit])
-    if n < 1:
-        raise ValueError(f"{name} must be at least 1 byte, got {text!r:.40}")
-    return n
+parse_memory = parse_memory_size  # one parser for the serve flag and SpecConfig(kv_cache_memory=)
 
 
 def read_prompts_file(path: str, limit: int = 1024) -> list[str]:
