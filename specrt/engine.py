@@ -53,7 +53,9 @@ class LLMEngine:
     """Continuous-batching speculative engine (thread-compatible: one thread steps).
 
     ``target_quantize`` / ``draft_quantize`` (None, "int8", "q8_0", "q4_0", "q4_1"): load that model with
-    weight-only quantized layers that stay quantized; ``draft_dtype``: the draft model's activation
+    weight-only quantized layers that stay quantized; ``draft_quantize="auto"`` (the default): Q8_0 with
+    int8 activations for a draft model on a CPU with AVX-512-VNNI, else None
+    (specrt.loading.resolve_draft_quantize); ``draft_dtype``: the draft model's activation
     dtype (default: the engine's ``dtype``). Greedy output stays token-identical to autoregressive
     decoding of the same target (a quantized target is a different model: compare against itself).
     ``int8_activations`` (CPU, opt-in): the quantized target's layers (and a quantized draft model's)
@@ -69,7 +71,7 @@ class LLMEngine:
 
     def __init__(self, target: str | Path, draft: str | Path | None = None, spec: SpecConfig | None = None,
                  device: str | torch.device | None = None, dtype=None, seed: int | None = None, *,
-                 target_quantize: str | None = None, draft_quantize: str | None = None, draft_dtype=None,
+                 target_quantize: str | None = None, draft_quantize: str | None = "auto", draft_dtype=None,
                  int8_activations: bool = False, model_loader: ModelLoader | None = None, wrap_drafter: Callable[[Drafter], Drafter] | None = None,
                  agree_ks: Callable[[list[int]], list[int]] | None = None, health: HealthRanges | None = None):
         self.spec = spec or SpecConfig()
@@ -86,8 +88,8 @@ class LLMEngine:
                                  kv_window=window)
         self.drafter = make_drafter(draft, target_path, self.target, settings, loaded.draft_loader, dtype,
                                     accept_head=self.spec.policy == "head")
-        if int8_activations and self.drafter is not None:
-            use_int8_activations(getattr(self.drafter, "model", None))  # a quantized draft model's layers too
+        if loaded.draft_int8_activations and self.drafter is not None:
+            use_int8_activations(getattr(self.drafter, "model", None))  # a quantized draft model's layers
         if self.drafter is not None and wrap_drafter is not None:
             self.drafter = wrap_drafter(self.drafter)
         length = getattr(self.drafter, "default_draft_length", None)

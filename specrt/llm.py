@@ -33,16 +33,19 @@ class LLM:
     def __init__(self, target: str | Path = "builtin", draft: str | Path | None = None,
                  spec: SpecConfig | None = None, device=None, dtype=None, seed: int | None = None,
                  tensor_parallel_size: int = 1, *, target_quantize: str | None = None,
-                 draft_quantize: str | None = None, draft_dtype=None, int8_activations: bool = False,
+                 draft_quantize: str | None = "auto", draft_dtype=None, int8_activations: bool = False,
                  **engine_hooks):
         """``target_quantize`` / ``draft_quantize`` / ``draft_dtype`` / ``int8_activations``: see LLMEngine
-        (weight-only quantized models that stay quantized; the draft's dtype; int8 activations in the
-        quantized layers, CPU). ``engine_hooks``: LLMEngine's keyword hooks (model_loader, wrap_drafter;
+        (weight-only quantized models that stay quantized — ``draft_quantize="auto"``, the default, is
+        Q8_0 with int8 activations for a draft model on a CPU with AVX-512-VNNI, None keeps it in full
+        precision; the draft's dtype; int8 activations in the quantized layers, CPU). ``engine_hooks``: LLMEngine's keyword hooks (model_loader, wrap_drafter;
         single process)."""
-        for name, value in (("target_quantize", target_quantize), ("draft_quantize", draft_quantize),
-                            ("draft_dtype", draft_dtype), ("int8_activations", int8_activations or None)):
+        for name, value in (("target_quantize", target_quantize), ("draft_dtype", draft_dtype),
+                            ("int8_activations", int8_activations or None)):
             if value is not None:
                 engine_hooks[name] = value
+        if draft_quantize != "auto":      # None: a full-precision draft model
+            engine_hooks["draft_quantize"] = draft_quantize
         if tensor_parallel_size != 1 and engine_hooks:
             raise ValueError(f"engine options {sorted(engine_hooks)} are not supported with tensor parallelism")
         self.engine = create_engine(target, draft, spec, device, dtype, seed,

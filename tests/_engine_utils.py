@@ -91,7 +91,9 @@ class LLMCache:
         if key not in self._llms:
             tdir, ddir = pair
             d = {"model": str(ddir), "none": None, "target": str(tdir)}.get(draft, draft)
-            self._llms[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
+            # the target as its own draft stays the target (the default would quantize a draft model)
+            same = {"draft_quantize": None} if d == str(tdir) else {}
+            self._llms[key] = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0, **same)
         return self._llms[key]
 
 

@@ -61,7 +61,7 @@ def llm(draft, **spec) -> specrt.LLM:
     key = (str(draft), tuple(sorted(spec.items())))
     if key not in _cache:
         _cache[key] = specrt.LLM(target="builtin", draft=None if draft is None else str(draft),
-                                 spec=SpecConfig(**spec), seed=0)
+                                 spec=SpecConfig(**spec), seed=0, draft_quantize=None)   # the float draft's bits
     return _cache[key]
 
 
@@ -169,7 +169,7 @@ def _proposals(fdir, wrap=None, k: int = 2):
         drafter.propose = spy
         return drafter
     eng = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=k, max_batch_size=1, tree="chain"),
-                     seed=0, wrap_drafter=record)
+                     seed=0, wrap_drafter=record, draft_quantize=None)
     eng.generate(CODE[:3], GREEDY)
     return eng, seen
 

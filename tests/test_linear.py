@@ -459,7 +459,7 @@ def test_engine_quantized_models_stay_quantized_and_exact():
     import specrt
 
     ar = specrt.LLM(target="builtin", draft=None, seed=0)
-    float_draft = specrt.LLM(target="builtin", draft="builtin", seed=0).engine.drafter.model
+    float_draft = specrt.LLM(target="builtin", draft="builtin", seed=0, draft_quantize=None).engine.drafter.model
     for kind, ddt in (("int8", None), ("q4_1", "bfloat16")):
         llm = specrt.LLM(target="builtin", draft="builtin", seed=0, draft_quantize=kind, draft_dtype=ddt,
                          spec=specrt.SpecConfig(max_draft_length=3))
@@ -623,3 +623,47 @@ def test_bf16_speculative_prefill_rows_equal_autoregressive_bit_for_bit():
         assert ng_rows.keys() <= ar_rows.keys() and len(ng_rows) == len(ar_rows)
         for p, row in ng_rows.items():
             assert torch.equal(row, ar_rows[p]), (len(prompt), p)
+
+
+def test_draft_quantize_auto_picks_q8_0_with_int8_activations_only_where_vnni_runs(monkeypatch):
+    """The default draft_quantize="auto": Q8_0 + int8 activations for a draft model on a CPU whose int8
+    kernel has VNNI, full precision elsewhere and for drafters without a model; None and a kind as given."""
+    from specrt import loading, ops
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(ops, "linear_dynamic_isa", lambda: "avx512vnni")
+    assert loading.resolve_draft_quantize("auto", "some/folder", cpu) == ("q8_0", True)
+    assert loading.resolve_draft_quantize("auto", "some/folder", gpu) == (None, False)
+    for d in (None, "none", "ngram", "ngram:3", "self:2", "suffix", "suffix:scoped=1"):
+        assert loading.resolve_draft_quantize("auto", d, cpu) == (None, False), d
+    assert loading.resolve_draft_quantize(None, "some/folder", cpu) == (None, False)
+    assert loading.resolve_draft_quantize("q4_1", "some/folder", cpu) == ("q4_1", False)
+    with pytest.raises(ValueError, match="draft_quantize"):
+        loading.resolve_draft_quantize("q3", "some/folder", cpu)
+    for isa in ("avx2", "scalar"):
+        monkeypatch.setattr(ops, "linear_dynamic_isa", lambda isa=isa: isa)
+        assert loading.resolve_draft_quantize("auto", "some/folder", cpu) == (None, False)
+
+
+@pytest.mark.skipif(not (BUILTIN / "draft" / "config.json").is_file(), reason="built-in pair not present")
+def test_the_default_draft_is_what_auto_resolves_to_and_stays_exact():
+    import specrt
+    from specrt import ops
+
+    llm = specrt.LLM(target="builtin", draft="builtin", seed=0, spec=specrt.SpecConfig(max_draft_length=3))
+    draft = llm.engine.drafter.model
+    quantized = any(isinstance(m, QuantLinear) for m in draft.modules())
+    assert quantized == (ops.linear_dynamic_isa() == "avx512vnni")
+    assert draft.linear_policy.int8_activations == quantized
+    assert all(m.kind == "q8_0" for m in draft.modules() if isinstance(m, QuantLinear))
+    ar = specrt.LLM(target="builtin", draft=None, seed=0)
+    assert _greedy(llm, PROMPTS[:3], 24) == _greedy(ar, PROMPTS[:3], 24)
+    # a loader that hands out an already quantized model: used as it is, not quantized twice
+    from specrt.loading import default_loader
+    from specrt.models.quant import quantize_model_
+
+    def shared(path, role, dtype, device):
+        m = default_loader(path, role, dtype, device)
+        return quantize_model_(m, "int8") if role == "draft" else m
+    pre = specrt.LLM(target="builtin", draft="builtin", seed=0, model_loader=shared)
+    assert all(m.kind == "int8" for m in pre.engine.drafter.model.modules() if isinstance(m, QuantLinear))

@@ -170,7 +170,7 @@ class ModelDrafter(Drafter):
     def _forward(self, reqs, input_ids: torch.Tensor, seq_lens: list[int], query_lens: list[int],
                  out_index: list[int], host_ids: list[int] | None = None, history: tuple | None = None,
                  write: bool = True, features: torch.Tensor | None = None, positions: list[int] | None = None,
-                 tree_mask: list[int] | None = None, every_row: bool = False):
+                 tree_mask: list[int] | None = None, every_row: bool = False, raw: bool = False):
         """One batched draft forward; returns (q [rows, V] f32, logits [rows, V], hidden or None) at each
         row's last position. ``host_ids``: the rows' tokens when they may recompute blocks shared
         between requests (catch-up over a target-only prefix): each shared slot is then written once.
@@ -179,7 +179,9 @@ class ModelDrafter(Drafter):
         ``write`` False: the new tokens' K/V are not stored (their slots already hold them).
         ``features`` [T, H]: what ``_step_features`` gave (feature drafts). A tree level
         (specrt.drafters.tree): ``positions`` [T] of the rows (else the slots'), their ``tree_mask``
-        [T], and ``every_row``: q / logits at every row (else at each request's last)."""
+        [T], and ``every_row``: q / logits at every row (else at each request's last). ``raw``: no
+        controls apply (``raw_logits_ok``): return (None, the network's logits [rows, V_draft], hidden),
+        whose column i is target token ``draft_token_ids(i)``."""
         dev, kv = self.settings.device, self.kv
         if positions is None:
             positions = [p for s, q in zip(seq_lens, query_lens) for p in range(s - q, s)]
@@ -194,6 +196,8 @@ class ModelDrafter(Drafter):
         else:
             last = torch.tensor(list(itertools.accumulate(query_lens)), dtype=torch.int64).to(dev, non_blocking=True) - 1
         logits, hidden = self._run_model(input_ids, positions, meta, last, features)
+        if raw:
+            return None, logits, hidden
         logits = self.target_logits(logits)
         params = [r.params for r in reqs]
         if history is not None:      # the same controls as the target's rows (the stop rule sees them too)
@@ -202,6 +206,21 @@ class ModelDrafter(Drafter):
         if self.draft_params is not None:
             params = [self.draft_params(p) for p in params]
         return probs_from_logits(logits, param_rows(params, [1] * len(reqs), dev)), logits, hidden
+
+    def raw_logits_ok(self, reqs, out_index: list[int], history) -> bool:
+        """Whether a forward's draft-vocabulary logits may be used as they are: no logit control,
+        no min_tokens EOS mask and no draft_params hook touches these rows."""
+        return history is None and self.draft_params is None and \
+            all(oi >= r.params.min_tokens for r, oi in zip(reqs, out_index))
+
+    def draft_token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary logit columns ``index`` (any shape, int64)."""
+        return index
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft tokens [rows] int32 of greedy rows from raw draft logits [rows, V_draft]: the argmax
+        (the first of equal maxima, as the sampling transform's one-hot picks it), as a target id."""
+        return self.draft_token_ids(logits.argmax(-1)).to(torch.int32)
 
     def _sample(self, q: torch.Tensor, reqs, positions: list[int]) -> torch.Tensor:
         """Draft tokens [rows] int32: DRAFT noise (rejection) or the target's own TARGET noise (coupled)."""
@@ -215,6 +234,7 @@ class ModelDrafter(Drafter):
                pre_length: PreLength | None = None) -> DraftProposal:
         B, dev, V = len(batch), self.settings.device, self.settings.vocab_size
         need_probs = not self.settings.coupled and any(not r.params.greedy for r in batch)
+        greedy = all(r.params.greedy for r in batch)
         draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)          # [B, K]
         draft_probs = torch.zeros(B, kmax, V, device=dev) if need_probs else None      # [B, K, V]
         n_draft = [0] * B
@@ -260,13 +280,15 @@ class ModelDrafter(Drafter):
                 seq_lens, query_lens = [r.context_len + j for r in reqs], [1] * len(rows)
                 features = self._step_features(reqs, None, hidden, sel)
             history = None if ctl is None else (ctl, rows, [j] * len(rows), draft_ids)   # draft j follows [:j]
-            q, logits, hidden = self._forward(reqs, input_ids, seq_lens, query_lens,
-                                              [r.num_generated + j for r in reqs], host_ids, history,
-                                              features=features)  # [rows, V]
+            out_index = [r.num_generated + j for r in reqs]
+            # greedy rows without controls: the argmax of the draft's own logits, no [rows, V] transform
+            raw = greedy and stop_rule is None and self.raw_logits_ok(reqs, out_index, history)
+            q, logits, hidden = self._forward(reqs, input_ids, seq_lens, query_lens, out_index, host_ids, history,
+                                              features=features, raw=raw)  # [rows, V]
             cost.forwards += 1
             cost.tokens_fed += sum(query_lens)
             cost.attended += self.attended      # the context its forward attended (a KV window's view)
-            x = self._sample(q, reqs, [r.context_len + j for r in reqs])                       # [rows]
+            x = self._greedy(logits) if raw else self._sample(q, reqs, [r.context_len + j for r in reqs])  # [rows]
             row_idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
             draft_ids[row_idx, j] = x
             if draft_probs is not None:

@@ -39,6 +39,9 @@ class ReducedDrafter(ModelDrafter):
         lm = self.model
         return module_bytes(*lm.model.layers, lm.model.norm, lm.lm_head)
 
+    def draft_token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        return self._ids[index]
+
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, N] draft-vocabulary logits -> [rows, V]: -inf on every id the head does not cover."""
         out = logits.new_full((logits.shape[0], self.settings.vocab_size), float("-inf"))

@@ -198,10 +198,12 @@ def draft_tree(drafter, batch, budgets: list[int], depths: list[int], shape: Tre
         input_ids = torch.tensor(host_ids, dtype=torch.int64).to(dev, non_blocking=True)
         seq_lens, query_lens = [r.context_len for r in reqs], [len(c) for c in chunks]
         features = drafter._step_features(reqs, [cached[b] for b in rows], None, None)
-        _, logits, hidden = drafter._forward(reqs, input_ids, seq_lens, query_lens, [r.num_generated for r in reqs],
-                                             host_ids, None, features=features)
+        out_index = [r.num_generated for r in reqs]
+        raw = drafter.raw_logits_ok(reqs, out_index, None)   # top-k over the draft's own vocabulary
+        _, logits, hidden = drafter._forward(reqs, input_ids, seq_lens, query_lens, out_index,
+                                             host_ids, None, features=features, raw=raw)
         _count(cost, drafter, query_lens)
-        tokens, logps = _top(logits, shape.branching)
+        tokens, logps = _top(logits, shape.branching, drafter.draft_token_ids if raw else None)
         for i, b in enumerate(rows):
             cands[b].add(-1, 1, 0.0, tokens[i], logps[i])
         prev_rows = {(b, -1): i for i, b in enumerate(rows)}   # (request, candidate) -> row of the last forward
@@ -228,11 +230,13 @@ def draft_tree(drafter, batch, budgets: list[int], depths: list[int], shape: Tre
             seq = [L[i] + used[b] for i, b in enumerate(bs)]
             positions = [batch[b].context_len - 1 + depth + 1 for b, _ in level]
             masks = [cands[b].slot_mask(c) for b, c in level]
-            _, logits, hidden = drafter._forward(reqs_l, ids, seq, [len(p) for p in per],
-                                                 [batch[b].num_generated + depth for b, _ in level], None, None,
-                                                 features=feats, positions=positions, tree_mask=masks, every_row=True)
+            out_index = [batch[b].num_generated + depth for b, _ in level]
+            raw = drafter.raw_logits_ok([batch[b] for b, _ in level], out_index, None)
+            _, logits, hidden = drafter._forward(reqs_l, ids, seq, [len(p) for p in per], out_index, None, None,
+                                                 features=feats, positions=positions, tree_mask=masks, every_row=True,
+                                                 raw=raw)
             _count(cost, drafter, [len(p) for p in per])
-            tokens, logps = _top(logits, shape.branching)
+            tokens, logps = _top(logits, shape.branching, drafter.draft_token_ids if raw else None)
             prev_rows = {}
             for i, (b, c) in enumerate(level):
                 cands[b].add(c, depth + 1, cands[b].scores[c], tokens[i], logps[i])
@@ -251,11 +255,14 @@ def draft_tree(drafter, batch, budgets: list[int], depths: list[int], shape: Tre
                          expected_accepted=[e if b in rows else 0.0 for b, e in enumerate(expected)])
 
 
-def _top(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+def _top(logits: torch.Tensor, k: int, to_target=None) -> tuple[list[list[int]], list[list[float]]]:
     """Each row's k most likely tokens and their log-probabilities (T = 1), on the host (the level's
-    one device->host sync: the next level's shape depends on them)."""
+    one device->host sync: the next level's shape depends on them). ``to_target``: the logits are
+    over the draft's vocabulary, and it maps their columns to target ids."""
     logp = torch.log_softmax(logits.float(), -1)
     v, i = logp.topk(min(k, logp.shape[1]), -1)
+    if to_target is not None:
+        i = to_target(i)
     return i.tolist(), v.tolist()
 
 

@@ -59,6 +59,7 @@ from torch import nn
 from specrt.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
 from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from specrt.models.linear import prepare_linear
 from specrt.models.rope import RMSNorm, RotaryEmbedding, rms_norm, rope_operands
 
 ARCHITECTURE = "SpecrtDraftModel"
@@ -157,6 +158,7 @@ class DraftModel(nn.Module):
         self.embed: torch.Tensor | None = None  # [V, H] the target's embedding (bound, not saved)
         self.head: torch.Tensor | None = None   # [N, H] its rows at draft_to_target
         self.__dict__["_lm"] = None             # causal_lm(), built on first use
+        self.__dict__["_mix"] = None            # _mix_calls(), built on first use
 
     # ------------------------------------------------------------------ binding and I/O
     def bind_target(self, embed_weight: torch.Tensor) -> "DraftModel":
@@ -169,6 +171,7 @@ class DraftModel(nn.Module):
         self.embed = embed_weight.detach().to(dev, dtype)
         self.head = self.embed.index_select(0, self.draft_to_target.to(dev)).contiguous()
         self.__dict__["_lm"] = None
+        self.__dict__["_mix"] = None
         return self
 
     @property
@@ -235,7 +238,8 @@ class DraftModel(nn.Module):
         return self.draft_to_target[draft_ids.long()]
 
     # ------------------------------------------------------------------ forward
-    def embed_inputs(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+    def embed_inputs(self, input_ids: torch.Tensor, features: torch.Tensor | None,
+                     prepared: bool = False) -> torch.Tensor:
         """The residual stream entering layer 0: [..., H] (fc over [embedding, feature] for feature drafts)."""
         if self.embed is None:
             raise RuntimeError("DraftModel: call bind_target() (or from_pretrained(target=...)) first")
@@ -246,27 +250,41 @@ class DraftModel(nn.Module):
         if features is None or features.shape[:-1] != x.shape[:-1] or features.shape[-1] not in widths:
             raise ValueError(f"a feature draft needs features of shape {tuple(x.shape[:-1])} + one of "
                              f"{sorted(widths)}, got {None if features is None else tuple(features.shape)}")
-        return self.mix(x, features)
+        return self.mix(x, features, prepared)
 
-    def mix(self, x: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def mix(self, x: torch.Tensor, features: torch.Tensor, prepared: bool = False) -> torch.Tensor:
         """fc(concat(x, f)) [..., H]: ``features`` are the target's (fused by ``fuse`` when the draft
-        reads several layers, [..., feature_size]) or the draft's own states [..., H]."""
+        reads several layers, [..., feature_size]) or the draft's own states [..., H]. ``prepared``:
+        fuse and fc on specrt's small-M kernel (the paged forward; no autograd)."""
         f = features.to(x.dtype)
+        fuse, fc = self._mix_calls() if prepared else (self.fuse, self.fc)
         if self.fuse is not None and f.shape[-1] == self.fuse.in_features and f.shape[-1] != x.shape[-1]:
-            f = self.fuse(self.normalize_layers(f))
-        return self.fc(torch.cat([x, f], -1))
+            f = fuse(self.normalize_layers(f))
+        return fc(torch.cat([x, f], -1))
+
+    def _mix_calls(self):
+        """(fuse or None, fc) as prepared projections under the causal LM's kernel policy: torch's
+        bf16 GEMV costs ~3x specrt's kernel on these small matrices, most of all right after a
+        target forward has evicted them from the caches. Built once per binding."""
+        calls = self.__dict__.get("_mix")
+        if calls is None:
+            policy = self.causal_lm().linear_policy
+            calls = (prepare_linear(self.fuse, policy) if self.fuse is not None else None,
+                     prepare_linear(self.fc, policy))
+            self.__dict__["_mix"] = calls
+        return calls
 
     def normalize_layers(self, f: torch.Tensor) -> torch.Tensor:
         """[..., k H_t]: each inner layer's block RMS-normalised (no weight: residual streams carry
-        outliers of 10^4 at the first positions); the final-normed block as it is."""
+        outliers of 10^4 at the first positions); the final-normed block as it is (scale 1)."""
         cfg = self.config
-        Ht, parts = cfg.target_hidden_size, []
-        for j, li in enumerate(cfg.feature_layers):
-            blk = f[..., j * Ht:(j + 1) * Ht]
-            if li != cfg.target_num_layers:
-                blk = blk * torch.rsqrt(blk.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(blk.dtype)
-            parts.append(blk)
-        return torch.cat(parts, -1)
+        blocks = f.unflatten(-1, (len(cfg.feature_layers), cfg.target_hidden_size))   # [..., k, H_t]
+        scale = torch.rsqrt(blocks.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(f.dtype)
+        final = [j for j, li in enumerate(cfg.feature_layers) if li == cfg.target_num_layers]
+        if final:
+            scale = scale.clone() if scale.requires_grad else scale   # rsqrt's backward reads its output
+            scale[..., final, :] = 1
+        return (blocks * scale).flatten(-2)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits [..., N] of final-normed states h [..., H]."""
@@ -309,7 +327,7 @@ class DraftModel(nn.Module):
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be [T]")
         lm = self.causal_lm()
-        x = self.embed_inputs(input_ids, features) if self.fc is not None else None  # [T, H]
+        x = self.embed_inputs(input_ids, features, prepared=True) if self.fc is not None else None  # [T, H]
         return lm(input_ids, positions, meta, kv_cache, logits_indices=logits_indices, return_hidden=True,
                   inputs_embeds=x)
 
