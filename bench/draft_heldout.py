@@ -39,7 +39,8 @@ def main(argv=None) -> int:
             if d.config.feature_layers is None:
                 st.features = st.features[:, 2 * H:].contiguous()
             r = chain_acceptance(d, st, k=4)
-            print(folder, name, r["tau"], r["acceptance_per_position"], "vocab", r["target_top1_in_draft_vocab"],
+            print(folder, name, r["tau"], r["acceptance_per_position"], "decoding", r["decoding_tau"],
+                  r["decoding_acceptance_per_position"], "vocab", r["target_top1_in_draft_vocab"],
                   "T0.7", r["sampled_tau"], flush=True)
     return 0
 
