@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant = ["int8", "q8_0", "q4_0", "q4_1"]
     p.add_argument("--target-quantize", default=None, choices=quant,
                    help="weight-only quantized target (every mode, autoregressive included)")
-    p.add_argument("--draft-quantize", default=None, choices=quant,
-                   help="weight-only quantized draft model (model drafters only)")
+    p.add_argument("--draft-quantize", default="auto", choices=["auto", "none"] + quant,
+                   help="weight-only quantized draft model (model drafters only; auto: q8_0 with int8 activations "
+                        "on a CPU with AVX-512-VNNI, else none)")
     p.add_argument("--int8-activations", action="store_true",
                    help="quantized layers take int8 activations, as llama.cpp's (needs --target-quantize; CPU)")
     p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
@@ -113,7 +114,7 @@ def _engines(args, pair: Pair, target: str, drafts: list[str]) -> dict:
         engines[f"speculative ({d})"] = specrt.LLM(
             draft=d, spec=specrt.SpecConfig(acceptance=args.acceptance, policy=args.policy, max_batch_size=1,
                                             **length),
-            draft_quantize=args.draft_quantize if model_draft else None,
+            draft_quantize=({"none": None}.get(args.draft_quantize, args.draft_quantize) if model_draft else None),
             draft_dtype=args.draft_dtype if model_draft else None, **common)
     return engines
 

@@ -250,3 +250,15 @@ def test_serve_and_peers_flags():
     assert demo_parser().parse_args(["--target-quantize", "q4_1", "--int8-activations"]).int8_activations
     with pytest.raises(SystemExit):
         parse_args(["--int8-activations"])
+
+
+def test_serve_draft_quantize_flag_auto_none_and_kinds():
+    """--draft-quantize: absent or auto leaves the engine's default (auto), none is a full-precision
+    draft, a kind is passed as is."""
+    from specrt.server.serve import build_parser, engine_kwargs
+
+    base = ["--target-model", "builtin", "--speculative-decoding", "--draft-model", "builtin"]
+    kw = lambda *extra: engine_kwargs(build_parser().parse_args(base + list(extra)))  # noqa: E731
+    assert "draft_quantize" not in kw() and "draft_quantize" not in kw("--draft-quantize", "auto")
+    assert kw("--draft-quantize", "none")["draft_quantize"] is None
+    assert kw("--draft-quantize", "q8_0")["draft_quantize"] == "q8_0"

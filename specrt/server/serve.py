@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--target-quantize", default=None, choices=QUANT_CHOICES,
                    help="load the target with weight-only quantized layers that stay quantized")
-    p.add_argument("--draft-quantize", default=None, choices=QUANT_CHOICES,
-                   help="load the draft model with weight-only quantized layers (~1/4 (int8) to ~1/7 (q4) of fp32)")
+    p.add_argument("--draft-quantize", default=None, choices=["auto", "none"] + QUANT_CHOICES,
+                   help="the draft model's weight-only quantized layers (~1/4 (int8) to ~1/7 (q4) of fp32); default "
+                        "auto: q8_0 with int8 activations on a CPU with AVX-512-VNNI, else none (full precision)")
     p.add_argument("--draft-dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="the draft model's dtype (default: --dtype)")
     p.add_argument("--int8-activations", action="store_true",
@@ -189,6 +190,10 @@ def engine_kwargs(args) -> dict:
     for name in ("target_quantize", "draft_quantize", "draft_dtype"):  # only when given (LLMEngine options)
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
+    if kw.get("draft_quantize") == "auto":      # the engine's default
+        del kw["draft_quantize"]
+    elif kw.get("draft_quantize") == "none":    # a full-precision draft model
+        kw["draft_quantize"] = None
     if getattr(args, "int8_activations", False):
         kw["int8_activations"] = True
     if ("draft_quantize" in kw or "draft_dtype" in kw) and (draft is None or str(draft) == "none"
