@@ -16,6 +16,8 @@ ACCEPTANCE_METHODS = ("rejection", "coupled")
 TREES = ("auto", "dynamic", "fixed", "chain")
 MAX_TREE_NODES = 63            # the attention kernel's ancestor mask covers 64 keys
 DEFAULT_TREE_NODES = 12
+DEFAULT_PREFILL_CHUNK = 512   # prompt tokens per step: the pause it puts in the other streams stays short
+MAX_PREFILL_CHUNK = 1 << 20
 DEFAULT_TREE_BRANCHING = 4
 logger = logging.getLogger("specrt.config")
 INT32_MAX = 2 ** 31 - 1
@@ -327,6 +329,10 @@ class SpecConfig:
     kv_cache_budget: float | int = DEFAULT_KV_CACHE_BUDGET   # fraction of free device memory, or bytes
     max_model_len: int | None = None
     prefix_sharing: bool = True
+
+    prefill_chunk: the most prompt tokens a step feeds (specrt.prefill): a longer prompt is fed in
+    chunks of this size over several steps while the other requests keep decoding; 0 feeds every
+    prompt whole in its first step (a long one then stalls every other stream until it is done).
     admission: str = "fifo"
     admission_max_wait: int = 64
     draft_kv_window: int = 0
@@ -349,6 +355,7 @@ class SpecConfig:
             self.max_draft_length = d["max_draft_length"]
         _check_int("max_draft_length", self.max_draft_length, 0, MAX_DRAFT_LENGTH)
         named_min = self.min_draft_length is not None
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
         if not named_min:
             self.min_draft_length = min(d["min_draft_length"], self.max_draft_length)
         _check_int("min_draft_length", self.min_draft_length, 0, self.max_draft_length,
@@ -379,6 +386,7 @@ class SpecConfig:
         _check_int("max_tree_nodes", self.max_tree_nodes, 1, MAX_TREE_NODES)
         _check_int("tree_branching", self.tree_branching, 1, 16)
         if self.tree in ("dynamic", "fixed") and self.policy != "fixed":
+        _check_int("prefill_chunk", self.prefill_chunk, 0, MAX_PREFILL_CHUNK, " (0: whole prompts at once)")
             raise ValueError(f"tree={self.tree!r} grows trees of up to max_tree_nodes nodes under policy='fixed', got "
                              f"policy={self.policy!r}: use tree='chain' with that policy")
         if not isinstance(self.extra, dict):

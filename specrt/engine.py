@@ -41,6 +41,7 @@ from specrt.intake import RequestIntake
 from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
 from specrt.overlap import Overlap, overlap_status
+from specrt.prefill import split_prefill
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
 from specrt.verify import PromptRows, accept, build_verify_batch, feeds_context, path_rows, to_host
 
@@ -210,14 +211,15 @@ class LLMEngine:
             self.drafter.fence()                         # a pre-draft still running (CUDA) before KV writes
         for r in self.scheduler.admit():                 # refused for good: the cache can never hold them
             self._finish(r, r.finish_reason, r.error)
-        batch = list(self.scheduler.running)
-        if not batch:
+        split = split_prefill(list(self.scheduler.running), self.spec.prefill_chunk)   # long prompts: a chunk
+        batch, prefill = split.batch, split.prefill
+        if not batch and not prefill:
             return self._drain_finished()
         try:
-            outs = self._run(batch, forced_k, t0)
+            outs = self._run(batch, forced_k, t0, prefill) if batch else self._prefill_only(prefill)
         except Exception:   # noqa: BLE001 - whatever it was, only the requests it belongs to may fail
             logger.warning("a step over %d requests raised; retrying them one by one", len(batch), exc_info=True)
-            outs = self._isolate(batch, forced_k)
+            outs = self._isolate(batch, forced_k, prefill)
         if forced_k is None and time.monotonic() - self._health_checked >= HEALTH_CHECK_EVERY_S:
             self._health_checked = time.monotonic()
             self.metrics.draft_misaligned = getattr(self.drafter, "draft_params", None) is not None
@@ -228,10 +230,12 @@ class LLMEngine:
             self._recorded_until = None
         return outs
 
-    def _run(self, batch: list[Request], forced_k: int | None, t0: float) -> list[RequestOutput]:
-        """One speculative step over ``batch`` (``t0``: when the step began, admission included).
-        If it raises before the commit, every request is as before it (so the step can be
-        retried without the culprit)."""
+    def _run(self, batch: list[Request], forced_k: int | None, t0: float,
+             prefill: Sequence[tuple[Request, int]] = ()) -> list[RequestOutput]:
+        """One speculative step over ``batch`` (``t0``: when the step began, admission included),
+        with ``prefill``'s prompt chunks riding along (specrt.prefill). If it raises before the
+        commit, every request of the batch is as before it (so the step can be retried without
+        the culprit)."""
         t_step = time.perf_counter()
         saved = self.scheduler.save(batch)
         try:
@@ -242,8 +246,9 @@ class LLMEngine:
             nodes = self._tree_nodes(batch, ks, forced_k, limits)   # a tree step's node budgets; None: chains
             depth = {r.request_id: k for r, k in zip(batch, ks)}
             batch, ks = self._reserve(batch, ks if nodes is None else nodes)   # slots: pending + drafts
+            prefill = [(r, e) for r, e in prefill if r.status == RequestStatus.RUNNING]   # not preempted
             if not batch:
-                return []
+                return self._prefill_only(prefill)
             before = [(len(r.output_token_ids), len(r.text)) for r in batch]
             if nodes is None:
                 proposal = self._propose(batch, ks, limits)
@@ -255,7 +260,7 @@ class LLMEngine:
                 proposal = self.drafter.propose_tree(batch, ks, [depth[r.request_id] for r in batch], shape)
             pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap and nodes is None else None
             t_verify = time.perf_counter()
-            vb = build_verify_batch(batch, proposal, self.kv, self.device)
+            vb = build_verify_batch(batch, proposal, self.kv, self.device, prefill)
             if self.drafter is not None:
                 self.drafter.mark_verify()
             head = PromptRows.head_of(vb, self.target, self._hidden_layers)   # prompt logprobs: chunked logits
@@ -269,7 +274,7 @@ class LLMEngine:
             if hidden is not None:                       # [T, H]: a feature drafter reads every fed row
                 if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order
                     hidden = hidden.index_select(0, path_rows(vb, verified.accepted_nodes, hidden.shape[0]))
-                self.drafter.observe_target(batch, vb, hidden)
+                self.drafter.observe_target(batch + [r for r, _ in prefill], vb, hidden)
             pre, pre_s = self._overlap.run(batch, ks, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
             result = to_host(vb, verified, pre)                 # the step's one device->host sync
         except Exception:
@@ -277,6 +282,8 @@ class LLMEngine:
             raise
         samples, ended = commit_step(self._commit_ctx, self.metrics, batch, proposal, result,
                                      verify_s=time.perf_counter() - t_verify - pre_s)
+        for r, end in prefill:
+            r.target_cached = end
         for r in batch:
             r.just_admitted = False                      # its first step since admission has committed
         for e in ended:
@@ -302,15 +309,30 @@ class LLMEngine:
         self._recorded_until = t0 + total_s
         return [r.output(*before[i]) for i, r in enumerate(batch)]
 
-    def _isolate(self, batch: list[Request], forced_k: int | None) -> list[RequestOutput]:
-        """The step over ``batch`` raised: run it request by request; a request whose step still
-        raises on its own is failed (its KV freed), the others go on."""
+    def _prefill_only(self, prefill: Sequence[tuple[Request, int]]) -> list[RequestOutput]:
+        """A step of prompt chunks alone (specrt.prefill): their K/V and hidden states; no output."""
+        if not prefill:
+            return []
+        vb = build_verify_batch([], no_drafts(0, self.device), self.kv, self.device, prefill)
+        _, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
+                                logits_indices=vb.logits_indices, all_hidden=self._wants_hidden,
+                                hidden_layers=self._hidden_layers)
+        if self._wants_hidden:
+            self.drafter.observe_target([r for r, _ in prefill], vb, hidden)
+        for r, end in prefill:
+            r.target_cached = end
+        return []
+
+    def _isolate(self, batch: list[Request], forced_k: int | None,
+                 prefill: Sequence[tuple[Request, int]] = ()) -> list[RequestOutput]:
+        """The step over ``batch`` (and ``prefill``'s chunks) raised: run it request by request; a
+        request whose step still raises on its own is failed (its KV freed), the others go on."""
         outs = []
-        for r in batch:
+        for r, end in [(r, None) for r in batch] + list(prefill):
             if r.status != RequestStatus.RUNNING:
                 continue
             try:
-                outs += self._run([r], forced_k, time.perf_counter())
+                outs += self._run([r], forced_k, time.perf_counter()) if end is None else self._prefill_only([(r, end)])
             except Exception as e:   # noqa: BLE001 - attributable to this request alone
                 logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
                 self._finish(r, "error", f"{type(e).__name__}: {e}")

@@ -80,7 +80,7 @@ class VerifyResult:
     accepted_nodes: list[list[int]] | None = None   # [B][num_accepted] a tree step's path (node indices)
 
 
-def _scores_prompt(r) -> bool:
+def scores_prompt(r) -> bool:
     """The request wants its prompt's log-probabilities and this is its first step."""
     return r.params.prompt_logprobs is not None and r.prompt_logprobs is None and r.num_generated == 0
 
@@ -88,7 +88,7 @@ def _scores_prompt(r) -> bool:
 def feeds_context(r) -> bool:
     """This step scores more than the request's last token: its prompt (or the part not cached), a
     recompute after preemption, or the prompt's log-probabilities."""
-    return r.context_len - r.target_cached > 1 or _scores_prompt(r)
+    return r.context_len - r.target_cached > 1 or scores_prompt(r)
 
 
 PROMPT_LOGPROB_ROWS = 256   # prompt rows (prompt_logprobs) whose [rows, V] logits exist at once
@@ -123,10 +123,12 @@ class PromptRows:
         return self.head(self.hidden[a:e]).float()
 
 
-def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatch:
+def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -> VerifyBatch:
     """Lay out every request's pending tokens + drafts; reserve nothing (the slots exist). A request
     scoring its prompt feeds all of it: positions whose KV is cached already (a shared prefix) are
-    recomputed for their logits without being written again (slot -1)."""
+    recomputed for their logits without being written again (slot -1). ``prefill``: prefill-only
+    requests (specrt.prefill) and where their chunk ends, fed after the batch's rows, unscored
+    (in query_start / query_position they follow the batch's requests)."""
     kmax = proposal.draft_token_ids.shape[1]
     n = proposal.num_draft_tokens
     tree = proposal.is_tree
@@ -136,7 +138,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     for b, r in enumerate(batch):
         start, L = r.target_cached, r.context_len
         base = len(host_ids)
-        if _scores_prompt(r):
+        if scores_prompt(r):
             unwritten += range(base, base + start)
             start = 0
             prompt_rows += [(b, t) for t in r.prompt_token_ids[1:]]
@@ -158,6 +160,15 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
         logit_rows += range(base + len(pending) - 1, base + len(pending) + n[b])
         seq_lens.append(L + n[b])
         query_lens.append(L + n[b] - start)
+    for r, end in prefill:                       # a prompt chunk: K/V and hidden states only
+        query_start.append(len(host_ids))
+        query_position.append(r.target_cached)
+        host_ids += r.token_ids[r.target_cached:end]
+        positions += range(r.target_cached, end)
+        masks += [-1] * (end - r.target_cached)
+        verify.append(False)
+        seq_lens.append(end)
+        query_lens.append(end - r.target_cached)
 
     def dev(x, dtype=torch.int64):   # host -> device copies only
         return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
@@ -165,7 +176,8 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device) -> VerifyBatc
     input_ids = dev(host_ids)
     if draft_dest:
         input_ids[dev(draft_dest)] = proposal.draft_token_ids.view(-1).index_select(0, dev(draft_src)).long()
-    meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in batch],
+    meta = AttentionMetadata.build(seq_lens, query_lens, [kv.block_table(r.request_id) for r in batch]
+                                   + [kv.block_table(r.request_id) for r, _ in prefill],
                                    kv.block_size, device, tree_mask=masks if tree else None, verify=verify)
     if unwritten:
         meta.slot_mapping[dev(unwritten)] = -1
@@ -300,7 +312,7 @@ def _prompt_logprobs(vb: VerifyBatch, logits, prompt: PromptRows | None = None) 
 def commit_logprobs(r, b: int, result: VerifyResult) -> list[TokenLogprob] | None:
     """At request r's commit (row b): store its prompt's log-probabilities if this step scored them,
     and return its verified rows' (for ``Request.append_tokens``)."""
-    if _scores_prompt(r):
+    if scores_prompt(r):
         r.prompt_logprobs = result.prompt_logprobs.get(b, [None])
     return result.logprobs.get(b)
 

@@ -14,6 +14,7 @@ tokenize exactly as before.
 from __future__ import annotations
 
 import bisect
+import json
 import re
 import secrets
 import threading
@@ -40,12 +41,23 @@ def encode_texts(tokenizer, texts: list[str], add_special_tokens: bool = True) -
     return [list(e.ids) for e in encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
+# an added token that is not marked special but reads as markup (Qwen's "<tool_call>", "[TOOL_CALLS]"):
+# a control token all the same; added tokens of ordinary text (runs of spaces, words) are not
+_CONTROL = re.compile(r"<[^\s<>]{1,64}>|\[[A-Z][A-Z_]{1,63}\]")
+
+
+def is_control_token(content: str, special: bool) -> bool:
+    """Whether an added token's string is one a client must not be able to forge in its text."""
+    return bool(content) and (special or _CONTROL.fullmatch(content) is not None)
+
+
 class _Specials:
-    """A tokenizer's special-token strings and ids, and a copy of it that reads them as plain text."""
+    """A tokenizer's control-token strings and ids (its special added tokens, and the added tokens
+    that read as markup, ``is_control_token``), and a copy of it that reads them as plain text."""
 
     def __init__(self, inner):
         decoder = inner.get_added_tokens_decoder()
-        self.ids = {i for i, t in decoder.items() if t.special and t.content}
+        self.ids = {i for i, t in decoder.items() if is_control_token(t.content, t.special)}
         # longest first: where one special string contains another, the longer one is matched
         self.strings = sorted({decoder[i].content for i in self.ids}, key=len, reverse=True)
         self.pattern = re.compile("|".join(map(re.escape, self.strings))) if self.strings else None
@@ -54,10 +66,14 @@ class _Specials:
         self._lock = threading.Lock()
 
     def plain(self):
-        """The tokenizer with ``encode_special_tokens`` on: special strings become ordinary tokens."""
+        """The tokenizer with ``encode_special_tokens`` on and the non-special control tokens no longer
+        added tokens: every control string becomes ordinary tokens."""
         with self._lock:
             if self._plain is None:
-                plain = type(self._inner).from_str(self._inner.to_str())
+                spec = json.loads(self._inner.to_str())
+                spec["added_tokens"] = [t for t in spec.get("added_tokens", [])
+                                        if t.get("special") or not is_control_token(t.get("content", ""), False)]
+                plain = type(self._inner).from_str(json.dumps(spec))
                 plain.encode_special_tokens = True
                 self._plain = plain
             return self._plain

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt per line, or JSON lines of strings or {\"prompt\": ...}")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the most prompt tokens one step feeds (default 512): a longer prompt is fed over several "
+                        "steps while other requests keep streaming; 0 feeds every prompt whole")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -182,6 +185,7 @@ def engine_kwargs(args) -> dict:
                       admission=args.admission, draft_kv_window=args.draft_kv_window,
                       draft_kv_sinks=args.draft_kv_sinks, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
                       tree_branching=args.tree_branching,
+                      **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
                       **({} if args.kv_cache_memory is None else
                          {"kv_cache_budget": parse_memory(args.kv_cache_memory, "--kv-cache-memory")}))
     dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
