@@ -32,6 +32,7 @@ LAYERS = [
     "specrt.scheduler",
     "specrt.verify",
     "specrt.intake",
+    "specrt.prefill",
     "specrt.overlap",
     "specrt.commit",
     "specrt.accounting",
