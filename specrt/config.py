@@ -314,6 +314,10 @@ class SpecConfig:
     never off. "chain": ``max_draft_length`` tokens in a line. "auto" (default): "dynamic" where
     the drafter grows trees (a draft model, a feature draft, self:N), the policy is "fixed" and
     overlap is off, else "chain". Steps with logit controls or log-probabilities draft chains.
+
+    prefill_chunk: the most prompt tokens a step feeds (specrt.prefill): a longer prompt is fed in
+    chunks of this size over several steps while the other requests keep decoding; 0 feeds every
+    prompt whole in its first step (a long one then stalls every other stream until it is done).
     """
 
     min_draft_length: int | None = None
@@ -329,10 +333,6 @@ class SpecConfig:
     kv_cache_budget: float | int = DEFAULT_KV_CACHE_BUDGET   # fraction of free device memory, or bytes
     max_model_len: int | None = None
     prefix_sharing: bool = True
-
-    prefill_chunk: the most prompt tokens a step feeds (specrt.prefill): a longer prompt is fed in
-    chunks of this size over several steps while the other requests keep decoding; 0 feeds every
-    prompt whole in its first step (a long one then stalls every other stream until it is done).
     admission: str = "fifo"
     admission_max_wait: int = 64
     draft_kv_window: int = 0
@@ -340,6 +340,7 @@ class SpecConfig:
     tree: str = "auto"
     max_tree_nodes: int = DEFAULT_TREE_NODES
     tree_branching: int = DEFAULT_TREE_BRANCHING
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     extra: dict = field(default_factory=dict)
     # the serve flag's name for kv_cache_budget (str or number); None: not given
     kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
@@ -355,7 +356,6 @@ class SpecConfig:
             self.max_draft_length = d["max_draft_length"]
         _check_int("max_draft_length", self.max_draft_length, 0, MAX_DRAFT_LENGTH)
         named_min = self.min_draft_length is not None
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
         if not named_min:
             self.min_draft_length = min(d["min_draft_length"], self.max_draft_length)
         _check_int("min_draft_length", self.min_draft_length, 0, self.max_draft_length,
@@ -371,6 +371,7 @@ class SpecConfig:
         if self.acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_METHODS}, got {self.acceptance!r:.60}")
         _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE)
+        _check_int("prefill_chunk", self.prefill_chunk, 0, MAX_PREFILL_CHUNK, " (0: whole prompts at once)")
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         self._resolve_kv_cache_memory()
         self._check_budget(self.kv_cache_budget)
@@ -386,7 +387,6 @@ class SpecConfig:
         _check_int("max_tree_nodes", self.max_tree_nodes, 1, MAX_TREE_NODES)
         _check_int("tree_branching", self.tree_branching, 1, 16)
         if self.tree in ("dynamic", "fixed") and self.policy != "fixed":
-        _check_int("prefill_chunk", self.prefill_chunk, 0, MAX_PREFILL_CHUNK, " (0: whole prompts at once)")
             raise ValueError(f"tree={self.tree!r} grows trees of up to max_tree_nodes nodes under policy='fixed', got "
                              f"policy={self.policy!r}: use tree='chain' with that policy")
         if not isinstance(self.extra, dict):

@@ -92,10 +92,10 @@ class RequestIntake:
         if not token_ids:
             raise ValueError("prompt is empty: at least one token is required")
         check_prompt_length(self.model_config, len(token_ids), 0, self.max_model_len - 1)
+        if len(token_ids) + params.min_tokens > self.max_model_len:   # else it would end unmet at the context's end
+            raise ValueError(f"min_tokens ({params.min_tokens}) cannot be met: the prompt has {len(token_ids)} tokens "
+                             f"and the context holds {self.max_model_len}")
         if request_id is not None and str(request_id) in in_use:
             raise ValueError(f"request_id {request_id!r} is already in use")
         return Request(request_id=None if request_id is None else str(request_id), prompt_token_ids=token_ids,
                        params=params, seed=0, prompt=text, tag=tag)
-        if len(token_ids) + params.min_tokens > self.max_model_len:   # else it would end unmet at the context's end
-            raise ValueError(f"min_tokens ({params.min_tokens}) cannot be met: the prompt has {len(token_ids)} tokens "
-                             f"and the context holds {self.max_model_len}")
