@@ -233,6 +233,23 @@ def test_planner_switches_off_and_tries_again():
     assert all(fixed.plan(None, 1, 1, 10, 4, 8).draft for _ in range(100))
 
 
+def test_the_first_node_rule_does_not_stop_drafting_for_good():
+    """A step whose first node cannot repay its row stays plain without a draft forward; the gain it
+    is judged by is measured on drafted steps only, so after OFF_STEPS such steps a trial drafts
+    and measures it again (before: one bad stretch stopped drafting for the engine's lifetime)."""
+    from specrt.policy.tree import OFF_STEPS, TRIAL_STEPS, TreePlanner
+
+    p = TreePlanner()
+    p._costs = lambda *a: ([0.3] * 8, 0.1)       # a row and a level: 0.4 of a step
+    p.gain = 0.05                                 # a stretch where almost nothing was accepted
+    drafts = [p.plan(None, 1, 1, 10, 4, 8).draft for _ in range(OFF_STEPS + TRIAL_STEPS)]
+    assert not any(drafts[:OFF_STEPS - 1]) and all(drafts[OFF_STEPS - 1:])
+    for _ in range(TRIAL_STEPS):                  # the trial accepts well: the gain recovers, drafting stays
+        p.observe(1.0, 2, 3, step_s=0.05, verify_s=0.04, rows=3, plain_s=0.1, batch_size=1,
+                  drafted=True, fed_context=False)
+    assert p.on and p.gain > 0.4 and p.plan(None, 1, 1, 10, 4, 8).draft
+
+
 def test_dynamic_trees_keep_greedy_and_coupled(pair, ar_greedy):
     eng = llm(pair, "model", tree="dynamic", max_tree_nodes=16, max_draft_length=4)
     assert eng.engine.tree_planner.adaptive

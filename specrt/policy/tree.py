@@ -20,6 +20,7 @@ pays the draft's catch-up over everything decoded while it was off). Every ``PRO
 A step whose first node cannot repay its verify row and a draft level (their costs against the
 drafts accepted per request per tree step so far) is plain without asking the draft at all: a
 large batch on a compute-bound device, where each extra row costs nearly a request's whole share.
+After ``OFF_STEPS`` such steps in a row a trial drafts again and measures that gain anew.
 """
 from __future__ import annotations
 
@@ -97,14 +98,23 @@ class TreePlanner:
         self._probe_left = 0
         self._off_left = 0                # plain steps left before the next trial
         self._trial: list[float] | None = None   # a trial's step ratios so far (None: no trial)
+        self._blocked = 0                 # steps in a row the first-node rule kept plain
 
     def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int, max_nodes: int) -> TreeStep:
         """``tokens`` / ``context``: what a plain step over the batch would feed and attend."""
         rows, level = self._costs(costs, batch_size, tokens, context, depth, max_nodes)
         draft = self._draft_now(costs)
-        if draft and self.adaptive and rows and rows[0] + level >= self.gain:
-            draft = False                 # not even the first node repays its row and a draft level (a
-                                          # large batch on a compute-bound device): no draft forward at all
+        if draft and self.adaptive and self._trial is None and rows and rows[0] + level >= self.gain:
+            # not even the first node repays its row and a draft level (a large batch on a compute-bound
+            # device): no draft forward at all. The gain is measured on drafted steps only, so after
+            # OFF_STEPS such steps a trial drafts again (else one bad stretch would stop drafting for good)
+            self._blocked += 1
+            if self._blocked < OFF_STEPS:
+                draft = False
+            else:
+                self._blocked, self._trial = 0, []
+        elif draft:
+            self._blocked = 0
         return TreeStep(draft, rows, level, self.calibration)
 
     def _draft_now(self, costs) -> bool:
