@@ -117,6 +117,12 @@ class SamplingParams:
     logprobs: None, or return the log-probability of every generated token and the ``logprobs``
     most likely alternatives (0..20); prompt_logprobs: the same for the prompt's tokens (the
     model's own log-softmax there). See specrt.controls for the exact definitions.
+
+    structured: the output must match a JSON schema (a dict or JSON text), "json_object", a
+    choice (a list of strings), or a specrt.structured.Structured(kind, spec) (kinds
+    "json_schema", "json_object", "regex", "grammar" (Lark / GBNF), "choice"); every drafted and
+    verified position is masked (specrt.structured). The request ends where the grammar does
+    (EOS is allowed only there), so it cannot be combined with ignore_eos or min_tokens.
     """
 
     temperature: float = 1.0
@@ -136,6 +142,7 @@ class SamplingParams:
     bad_words_ids: list[list[int]] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: object = None          # specrt.structured.Structured (any form Structured.of takes); None: free text
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -173,6 +180,13 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, " (or None: no log-probabilities)")
+        if self.structured is not None:
+            from specrt.structured import Structured
+
+            self.structured = Structured.of(self.structured)
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("structured output ends where its grammar does: it cannot be combined with "
+                                 f"{'ignore_eos=True' if self.ignore_eos else 'min_tokens > 0'}")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ValueError naming the field if a token id of a control lies outside the vocabulary."""
@@ -192,7 +206,8 @@ class SamplingParams:
     @property
     def has_logit_controls(self) -> bool:
         """Anything that changes the logits before the sampling transform (min_tokens aside)."""
-        return self.has_penalties or self.allowed_token_ids is not None or bool(self.bad_words_ids)
+        return (self.has_penalties or self.allowed_token_ids is not None or bool(self.bad_words_ids)
+                or self.structured is not None)
 
     @staticmethod
     def _check_stop(stop) -> list[str]:

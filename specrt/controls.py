@@ -12,7 +12,8 @@ The sampling transform of every row, draft and target alike (specrt.sampling app
        always and a longer one's last token when the history (prompt + output + earlier drafts)
        ends with its other tokens (transformers' NoBadWordsLogitsProcessor); min_tokens bans EOS.
        The longer ones are looked up in a BanTrie: a row's cost is bounded by the longest banned
-       sequence, whatever the number of sequences.
+       sequence, whatever the number of sequences. structured: every token the grammar's matcher,
+       moved over the drafts before the row, refuses (specrt.structured; EOS only where it may end).
     3. probs_from_logits: temperature, top-k, min-p, top-p (temperature 0: argmax).
 
 Histories: repetition_penalty counts the prompt and the output (as transformers and vLLM do);
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.config import SamplingParams
+from specrt.structured import Grammar, GrammarState
 
 
 @dataclass
@@ -105,9 +107,9 @@ class ControlState:
     when tokens are appended, preempted or restored)."""
 
     __slots__ = ("params", "prompt_tokens", "counts", "seen", "_entries", "_entries_at", "single_bans",
-                 "sequence_bans", "allowed")
+                 "sequence_bans", "allowed", "grammar")
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int]):
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], grammar: Grammar | None = None):
         self.params = params
         self.prompt_tokens = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))   # sorted, distinct
         self.counts: dict[int, int] = {}
@@ -119,6 +121,10 @@ class ControlState:
         longer = [w for w in words if len(w) > 1]
         self.sequence_bans = BanTrie(longer) if longer else None    # the multi-token ones
         self.allowed = None if params.allowed_token_ids is None else np.asarray(params.allowed_token_ids, np.int64)
+        if params.structured is not None and grammar is None:
+            raise ValueError("structured: the request's grammar was not compiled (requests are queued through "
+                             "LLMEngine.add_request, which compiles it)")
+        self.grammar = GrammarState(grammar) if params.structured is not None else None   # the output's matcher
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         if len(output_token_ids) < self.seen:      # cannot happen today; recount rather than guess
@@ -164,5 +170,5 @@ def control_state(r) -> ControlState | None:
     if not r.params.has_logit_controls:
         return None
     if r.controls_state is None:
-        r.controls_state = ControlState(r.params, r.prompt_token_ids)
+        r.controls_state = ControlState(r.params, r.prompt_token_ids, getattr(r, "grammar", None))
     return r.controls_state

@@ -10,6 +10,7 @@ import random
 from specrt.config import SamplingParams
 from specrt.models import check_prompt_length
 from specrt.scheduler import Request
+from specrt.structured import Grammar, GrammarCompiler, Structured
 
 MAX_TENANT_CHARS = 256
 
@@ -45,6 +46,15 @@ class RequestIntake:
         self.max_model_len = max_model_len
         self._rng = random.Random(seed)       # seeds of unseeded requests
         self._ids = itertools.count()
+        # structured output's grammars over this tokenizer; EOS = every token that ends a request
+        # (the engine's eos_token_ids: the tokenizer's and the model config's)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size,
+                                        set(tokenizer.eos_token_ids) | set(model_config.eos_token_ids))
+
+    def compile_structured(self, structured: Structured) -> Grammar:
+        """The compiled grammar (cached): the server calls this on its parse threads, so that the
+        step thread finds it compiled; ValueError naming ``structured`` if it does not compile."""
+        return self.grammars.compile(structured)
 
     def check(self, prompts, params, tags=None, request_ids=None, in_use=(), tenants=None) -> list[Request]:
         """One Request per prompt (seed and id still to assign); ValueError naming the first bad one."""
@@ -97,5 +107,6 @@ class RequestIntake:
                              f"and the context holds {self.max_model_len}")
         if request_id is not None and str(request_id) in in_use:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        grammar = self.compile_structured(params.structured) if params.structured is not None else None
         return Request(request_id=None if request_id is None else str(request_id), prompt_token_ids=token_ids,
-                       params=params, seed=0, prompt=text, tag=tag)
+                       params=params, seed=0, prompt=text, tag=tag, grammar=grammar)

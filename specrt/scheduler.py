@@ -92,6 +92,7 @@ class Request:
     evidence_class: int | None = None     # what the drafter's current proposal rests on (n-gram: the
                                           # matched suffix length); the budget policy pools acceptance by it
     controls_state: object | None = None  # specrt.controls.ControlState: history for penalties and bans
+    grammar: object | None = None         # specrt.structured.Grammar of params.structured (compiled at intake)
     output_logprobs: list[TokenLogprob] | None = None         # [num_generated] when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [len(prompt)] once computed (prompt_logprobs)
 

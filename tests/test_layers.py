@@ -18,6 +18,7 @@ LAYERS = [
     "specrt.reference_linear",   # pure torch: the linear ops' oracle (re-exported by specrt.reference)
     "specrt.reference",      # pure torch: the oracle, and the ops' fallback for non-CPU tensors
     "specrt.ops",
+    "specrt.structured",
     "specrt.config",
     "specrt.health",
     "specrt.metrics",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from specrt.config import MAX_BAD_WORD_TOKENS, SamplingParams
+from specrt.structured import Structured
 from specrt.server.errors import APIError, bad, show, type_name
 from specrt.server.schemas import ChatCompletionRequest, CompletionRequest, api_error
 from specrt.server.prompts import encode_texts, prompt_token_ids
@@ -151,9 +152,47 @@ def _logprob_fields(req, chat: bool) -> tuple[int | None, int | None]:
     return req.logprobs, req.logprobs if req.echo else None
 
 
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _structured(req) -> tuple[Structured | None, str | None]:
+    """(the Structured record, the field that gave it) from OpenAI's response_format or vLLM's
+    guided_* fields (at most one of them); (None, None) for free text. 400 naming the field when
+    its schema, regex or grammar is invalid, or when llguidance is not installed."""
+    fmt = req.response_format
+    given = [name for name in STRUCTURED_FIELDS if getattr(req, name) is not None
+             and not (name == "response_format" and fmt["type"] == "text")]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad(f"give at most one of {', '.join(STRUCTURED_FIELDS)}; got {' and '.join(given)}", given[1])
+    name = given[0]
+    field = "response_format.json_schema.schema" if name == "response_format" and fmt["type"] == "json_schema" \
+        else name
+    try:
+        if name == "response_format":
+            return (Structured("json_object") if fmt["type"] == "json_object" else
+                    Structured("json_schema", fmt["json_schema"]["schema"])), field
+        kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                "guided_grammar": "grammar"}[name]
+        return Structured(kind, getattr(req, name)), field
+    except ValueError as e:
+        raise bad(_field_message(str(e), field), field) from None
+    except ImportError as e:
+        raise bad(f"'{name}' is not available on this server: {e}", name, "unsupported") from None
+
+
+def _field_message(message: str, field: str) -> str:
+    """'structured: X' (specrt.structured's messages) -> "'field': X"."""
+    return f"'{field}': {message[len('structured: '):]}" if message.startswith("structured: ") else message
+
+
 def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size: int,
-                     cancel: threading.Event | None = None) -> SamplingParams:
+                     cancel: threading.Event | None = None, compile_structured=None) -> SamplingParams:
     kw = {name: getattr(req, name) for name in _CONTROLS if getattr(req, name) is not None}
+    structured, structured_field = _structured(req)
+    if structured is not None:
+        kw["structured"] = structured
     max_tokens = req.max_tokens
     if chat and req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
@@ -179,8 +218,19 @@ def _sampling_params(req, chat: bool, max_model_len: int, tokenizer, vocab_size:
         m = re.match(r"[a-z_]+", str(e))
         name = m.group(0) if m else None
         name = "bad_words" if name == "bad_words_ids" else name
+        if name == "structured":
+            raise bad(str(e).replace("structured output", f"'{structured_field}'", 1), structured_field) from None
         raise bad(str(e).replace("bad_words_ids", "bad_words") if req.bad_words else str(e),
                   name if name in kw or name == "bad_words" else None) from None
+    if structured is not None and compile_structured is not None:
+        _check_cancel(cancel)
+        try:                    # compiled here, on the parse pool: the step thread finds it in the cache
+            compile_structured(structured)
+        except ValueError as e:
+            raise bad(_field_message(str(e), structured_field), structured_field) from None
+        except ImportError as e:
+            raise bad(f"'{structured_field}' is not available on this server: {e}", structured_field,
+                      "unsupported") from None
     return params
 
 
@@ -207,10 +257,13 @@ def check_context(n_prompt: int, requested: tuple[str, int] | None, max_model_le
 
 def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name: str, tags: TagSet,
                   tokenizer, max_model_len: int, max_prompt_chars: int, vocab_size: int | None = None,
-                  escape_special_tokens: bool = True, cancel: threading.Event | None = None) -> ParsedRequest:
+                  escape_special_tokens: bool = True, cancel: threading.Event | None = None,
+                  compile_structured=None) -> ParsedRequest:
     """``escape_special_tokens``: special-token strings in chat messages ("<|im_end|>") are
     tokenized as plain text, never as control tokens (a user cannot forge a turn).
-    ``cancel``: set by the server when the client goes away; the parse stops (ParseCancelled)."""
+    ``cancel``: set by the server when the client goes away; the parse stops (ParseCancelled).
+    ``compile_structured(Structured)``: the engine's grammar compiler (structured output is
+    compiled here, off the step thread; a grammar that does not compile is a 400)."""
     body = decode_json(raw)
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type_name(body)}", None, "invalid_type")
@@ -229,7 +282,7 @@ def parse_request(raw: bytes, chat: bool, header_tag: str | None, *, model_name:
     tag = tags.tag_for(ext.tag if ext is not None and ext.tag is not None else header_tag)
     _check_cancel(cancel)
     params = _sampling_params(req, chat, max_model_len, tokenizer,
-                              vocab_size if vocab_size is not None else tokenizer.vocab_size, cancel)
+                              vocab_size if vocab_size is not None else tokenizer.vocab_size, cancel, compile_structured)
     _check_cancel(cancel)
     prompt = [m.model_dump(exclude_none=True) | {"content": m.content or ""} for m in req.messages] if chat \
         else req.prompt

@@ -137,6 +137,12 @@ async def _complete(request: Request, state, q: asyncio.Queue, req: ParsedReques
 PARSE_POLL_S = 0.25     # how often a request waiting for its parse checks for a drain
 
 
+def _grammar_compiler(eng):
+    """The engine's structured-output compiler (LLMEngine.intake; a tensor-parallel engine's rank 0)."""
+    intake = getattr(eng, "intake", None)
+    return getattr(intake, "compile_structured", None)
+
+
 async def _parse(request: Request, state, raw: bytes, chat: bool) -> ParsedRequest:
     """parse_request on the tokenizer pool. A client that goes away, or a drain that begins,
     while it runs sets its cancel flag (the parse stops at its next check) and nobody waits for
@@ -148,7 +154,7 @@ async def _parse(request: Request, state, raw: bytes, chat: bool) -> ParsedReque
                               max_model_len=eng.max_model_len, max_prompt_chars=state.max_prompt_chars,
                               vocab_size=eng.vocab_size,
                               escape_special_tokens=not state.settings.allow_special_tokens_in_content,
-                              cancel=cancel)
+                              cancel=cancel, compile_structured=_grammar_compiler(eng))
     fut = asyncio.get_running_loop().run_in_executor(state.pool, parse)
     gone = asyncio.ensure_future(_wait_disconnect(request))
     state.parses.add(cancel)

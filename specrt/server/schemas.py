@@ -28,8 +28,9 @@ MAX_BAD_WORDS_CHARS = 65536       # characters of all entries together
 NEUTRAL = {
     "best_of": (1,), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none",), "function_call": ("none",), "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
 }
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+MAX_SCHEMA_NAME_CHARS = 64
 _SUFFIX_NOTE = "accepted only empty: inserting between a prompt and a suffix needs a fill-in-the-middle model"
 
 
@@ -111,7 +112,17 @@ class _Common(_Strict):
     tool_choice: Any = Field(None, description=_NEUTRAL_NOTE)
     function_call: Any = Field(None, description=_NEUTRAL_NOTE)
     parallel_tool_calls: Any = Field(None, description=_NEUTRAL_NOTE)
-    response_format: Any = Field(None, description=_NEUTRAL_NOTE)
+    # structured output (at most one of these; specrt.structured)
+    response_format: Any = Field(None, description="OpenAI: {\"type\": \"text\"}, {\"type\": \"json_object\"} "
+                                                   "or {\"type\": \"json_schema\", \"json_schema\": {\"name\", "
+                                                   "\"schema\", \"strict\"}}: the output is JSON (matching the "
+                                                   "schema)")
+    guided_json: Optional[Union[dict[str, Any], str]] = Field(None, description="vLLM: a JSON schema the output "
+                                                                                "matches")
+    guided_regex: Optional[str] = Field(None, description="vLLM: a regular expression the whole output matches")
+    guided_choice: Optional[list[str]] = Field(None, description="vLLM: the output is one of these strings")
+    guided_grammar: Optional[str] = Field(None, description="vLLM: a grammar (Lark, or GBNF / EBNF) the output "
+                                                            "matches")
 
     @field_validator("top_k", "max_tokens", "min_tokens", "seed", "n", "top_logprobs", mode="before")
     @classmethod
@@ -127,6 +138,40 @@ class _Common(_Strict):
         note = " (a fill-in-the-middle insertion)" if info.field_name == "suffix" else ""
         raise PydanticCustomError("unsupported", "'{name}' is not supported by this server{note} (got {got})",
                                   {"name": info.field_name, "got": show(v, 60), "note": note})
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, v):
+        if v is None:
+            return v
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind not in RESPONSE_FORMATS:
+            raise PydanticCustomError("invalid_value", "'response_format' must be an object with \"type\" one of "
+                                      "{kinds}, got {got}", {"kinds": ", ".join(RESPONSE_FORMATS), "got": show(v, 60)})
+        extra = sorted(set(v) - {"type", "json_schema"})
+        if extra or (kind != "json_schema" and "json_schema" in v):
+            raise PydanticCustomError("invalid_value", "'response_format' of type {kind} takes no field {field}",
+                                      {"kind": kind, "field": show((extra or ["json_schema"])[0])})
+        if kind != "json_schema":
+            return {"type": kind}
+        js = v.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+            raise PydanticCustomError("invalid_value", "'response_format.json_schema' must be an object with "
+                                      "\"name\", \"schema\" (a JSON schema object) and \"strict\", got {got}",
+                                      {"got": show(js, 60)})
+        name = js.get("name")
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_SCHEMA_NAME_CHARS):
+            raise PydanticCustomError("invalid_value", "'response_format.json_schema.name' must be a string of 1-{n} "
+                                      "characters, got {got}", {"n": MAX_SCHEMA_NAME_CHARS, "got": show(name)})
+        for key in ("strict",):
+            if js.get(key) is not None and not isinstance(js[key], bool):
+                raise PydanticCustomError("invalid_value", "'response_format.json_schema.strict' must be a boolean, "
+                                          "got {got}", {"got": show(js[key])})
+        unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+        if unknown:
+            raise PydanticCustomError("invalid_value", "'response_format.json_schema' takes name, schema, strict and "
+                                      "description, got {field}", {"field": show(unknown[0])})
+        return {"type": kind, "json_schema": js}
 
     @field_validator("logit_bias", mode="before")
     @classmethod

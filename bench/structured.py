@@ -1,0 +1,279 @@
+"""Structured output on SmolLM2-135M (issue 36): what the token masks cost, whether the outputs
+validate, and what speculation gains with a JSON schema.
+
+    PYTHONPATH=. python -m bench.structured                       # both sections, 2 repeats
+    PYTHONPATH=. python -m bench.structured --sections masks      # the mask libraries only
+
+Schemas and prompts: bench/structured_schemas.json (15 schemas written for this benchmark: nested
+objects, enums, arrays, numbers with ranges, strings with patterns; each with a valid example).
+
+masks: time per token on the target's tokenizer (49,152 tokens) of a mask and the matcher's
+advance over the token: each schema's example, tokenized, walked token by token; the first walk
+after compiling ("cold") and later walks ("warm"); compile time per schema (llguidance's
+includes the first mask, as specrt.structured.GrammarCompiler computes it). llguidance always (what specrt
+uses); xgrammar too when it is importable (it is not a specrt dependency).
+
+generate: greedy, batch 1, chat-templated prompts (the schema in the prompt text), up to
+--max-tokens new tokens. Modes, alternated per prompt in a seeded random order within each
+repeat: ar_schema (autoregressive with the schema), ar_free (no schema, exactly as many tokens as
+ar_schema's output for that prompt: the same prefill and decode steps), and for each K
+spec_schema_kK / spec_free_kK (the draft, a chain of K, fixed policy). Reported: outputs that validate (jsonschema), speculative == AR
+token for token, tokens/s, the paired per-repeat ratios ar_schema/ar_free, spec_schema/ar_schema
+and spec_free/ar_free (median and its interval), acceptance per position with and without the
+schema. Writes one JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.runner import median, median_interval, shared_loader
+
+SCHEMAS = Path(__file__).with_name("structured_schemas.json")
+
+
+def load_cases() -> list[dict]:
+    return json.loads(SCHEMAS.read_text())
+
+
+def _valid(text: str, schema: dict) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:          # without jsonschema: parsed, and the required keys are there
+        return isinstance(value, dict) and all(k in value for k in schema.get("required", []))
+    try:
+        jsonschema.validate(value, schema)
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+# ------------------------------------------------------------------------------- masks
+def _walk(fill, consume, reset, tokens) -> list[float]:
+    times = []
+    reset()
+    for t in tokens:
+        t0 = time.perf_counter()
+        fill()
+        consume(t)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _summary(cold: list[float], warm: list[float], compile_s: list[float], init_s: float) -> dict:
+    us = lambda xs: sorted(x * 1e6 for x in xs)   # noqa: E731
+    c, w = us(cold), us(warm)
+    return {"tokenizer_init_s": round(init_s, 3), "compile_ms_median": round(median(compile_s) * 1e3, 2),
+            "compile_ms_max": round(max(compile_s) * 1e3, 2),
+            "cold_us_per_token_mean": round(statistics.mean(c), 1), "cold_us_per_token_p99": round(c[int(.99 * len(c))], 1),
+            "warm_us_per_token_mean": round(statistics.mean(w), 1), "warm_us_per_token_median": round(median(w), 1),
+            "warm_us_per_token_p99": round(w[int(.99 * len(w))], 1), "tokens": len(c)}
+
+
+def masks(target: str, warm_walks: int) -> dict:
+    import numpy as np
+
+    from specrt.models import load_tokenizer
+    from specrt.models.registry import resolve_model
+    from specrt.structured import GrammarCompiler, JSON_OPTIONS, Structured
+
+    tok = load_tokenizer(resolve_model(target, "target"))
+    V, eos = tok.vocab_size, sorted(tok.eos_token_ids)
+    cases = load_cases()
+    seps = (JSON_OPTIONS["item_separator"], JSON_OPTIONS["key_separator"])
+    walks = [tok.encode(json.dumps(c["example"], separators=seps), add_special_tokens=False) + eos[:1] for c in cases]
+    out = {}
+
+    t0 = time.perf_counter()
+    comp = GrammarCompiler(tok, V, eos)
+    comp.ll_tokenizer()
+    init = time.perf_counter() - t0
+    cold, warm, compile_s = [], [], []
+    bitmask = np.zeros((1, (V + 31) // 32), np.int32)
+    for c, toks in zip(cases, walks):
+        t0 = time.perf_counter()
+        g = comp.compile(Structured("json_schema", c["schema"]))
+        compile_s.append(time.perf_counter() - t0)
+        m = g.matcher()
+        fill = lambda: m.unsafe_compute_mask_ptr(bitmask.ctypes.data, bitmask.nbytes)   # noqa: E731
+        consume = lambda t: m.consume_token(t)                                           # noqa: E731
+        cold += _walk(fill, consume, m.reset, toks)
+        assert not m.is_error(), m.get_error()
+        for _ in range(warm_walks):
+            warm += _walk(fill, consume, m.reset, toks)
+    out["llguidance"] = _summary(cold, warm, compile_s, init)
+    print("llguidance", out["llguidance"], flush=True)
+
+    try:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        out["xgrammar"] = "not installed"
+        return out
+    t0 = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer), vocab_size=V,
+                                              stop_token_ids=eos)
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    init = time.perf_counter() - t0
+    cold, warm, compile_s = [], [], []
+    bm = xgr.allocate_token_bitmask(1, V)
+    for c, toks in zip(cases, walks):
+        t0 = time.perf_counter()
+        cg = compiler.compile_json_schema(json.dumps(c["schema"]), any_whitespace=False, separators=seps)
+        compile_s.append(time.perf_counter() - t0)
+        m = xgr.GrammarMatcher(cg)
+        fill = lambda: m.fill_next_token_bitmask(bm, 0)   # noqa: E731
+        consume = lambda t: m.accept_token(t)             # noqa: E731
+        cold += _walk(fill, consume, m.reset, toks)
+        assert m.is_terminated()
+        for _ in range(warm_walks):
+            warm += _walk(fill, consume, m.reset, toks)
+    out["xgrammar"] = _summary(cold, warm, compile_s, init)
+    print("xgrammar", out["xgrammar"], flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------- generation
+def _prompt(tokenizer, case: dict) -> list[int]:
+    msgs = [{"role": "system", "content": "You are a helpful assistant. Answer with JSON only."},
+            {"role": "user", "content": f"{case['prompt']} Use this JSON schema: {json.dumps(case['schema'])}"}]
+    return tokenizer.encode(tokenizer.apply_chat_template(msgs), add_special_tokens=False)
+
+
+def generate(args) -> dict:
+    from specrt import LLM, SamplingParams, SpecConfig
+    from specrt.structured import Structured
+
+    store: dict = {}
+    loader = shared_loader(store)
+    spec = lambda k: SpecConfig(max_draft_length=k, policy="fixed", tree="chain")   # noqa: E731
+    ar = LLM(target=args.target, draft=None, spec=spec(1), device="cpu", dtype=args.dtype, model_loader=loader)
+    engines = {"ar": ar}
+    for k in args.ks:
+        engines[f"k{k}"] = LLM(target=args.target, draft=args.draft, spec=spec(k), device="cpu", dtype=args.dtype,
+                               model_loader=loader)
+    cases = load_cases()[:args.schemas]
+    prompts = [_prompt(ar.tokenizer, c) for c in cases]
+    schema = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured=Structured("json_schema",
+                                                                                                c["schema"]))
+              for c in cases]
+    # free text of the same length as each schema's output (same prompt, same prefill, same decode
+    # steps): tokens/s then compares the cost of a token with and without the mask
+    lengths = [len(ar.generate([p], sp)[0].token_ids) for p, sp in zip(prompts, schema)]   # batch 1, as timed
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    modes = {"ar_free": ("ar", None), "ar_schema": ("ar", "schema")}
+    for k in args.ks:
+        modes[f"spec_free_k{k}"] = (f"k{k}", None)
+        modes[f"spec_schema_k{k}"] = (f"k{k}", "schema")
+
+    def run(m: str, i: int):
+        eng, kind = modes[m]
+        return engines[eng].generate([prompts[i]], schema[i] if kind else free[i], tags=[m])[0]
+
+    for m in modes:                                   # warm-up: kernels, caches, grammars compiled
+        run(m, 0)
+    for llm in engines.values():
+        llm.engine.reset_metrics()
+    secs = {m: [0.0] * args.repeats for m in modes}
+    toks = {m: [0] * args.repeats for m in modes}
+    outs: dict = {m: [None] * len(cases) for m in modes}
+    for rep in range(args.repeats):
+        for i in range(len(cases)):
+            order = list(modes)
+            random.Random(1000 * rep + i).shuffle(order)
+            for m in order:
+                t0 = time.perf_counter()
+                o = run(m, i)
+                secs[m][rep] += time.perf_counter() - t0
+                toks[m][rep] += len(o.token_ids)
+                outs[m][i] = o
+        print(f"repeat {rep}: " + "  ".join(f"{m} {toks[m][rep] / secs[m][rep]:.1f} tok/s" for m in modes), flush=True)
+
+    def ratio(a: str, b: str) -> dict:
+        rs = [(toks[a][r] / secs[a][r]) / (toks[b][r] / secs[b][r]) for r in range(args.repeats)]
+        lo, hi, cov = median_interval(rs)
+        return {"median": round(median(rs), 3), "interval": [round(lo, 3), round(hi, 3)],
+                "coverage": round(cov, 3), "per_repeat": [round(x, 3) for x in rs]}
+
+    res: dict = {"modes": {}, "ratios": {"ar_schema/ar_free": ratio("ar_schema", "ar_free")}}
+    for k in args.ks:
+        res["ratios"][f"spec_schema_k{k}/ar_schema"] = ratio(f"spec_schema_k{k}", "ar_schema")
+        res["ratios"][f"spec_free_k{k}/ar_free"] = ratio(f"spec_free_k{k}", "ar_free")
+    for m, (eng, kind) in modes.items():
+        st = engines[eng].stats().get("by_tag", {}).get(m, {})
+        row = {"tokens_per_s": round(median([toks[m][r] / secs[m][r] for r in range(args.repeats)]), 2),
+               "tokens_per_request": round(toks[m][-1] / len(cases), 1),
+               "tau": round(st.get("tokens_per_target_forward", 1.0), 3),
+               "acceptance_per_position": [round(a, 3) for a in st.get("acceptance_rate_per_position", [])],
+               "finish_reasons": {r: sum(o.finish_reason == r for o in outs[m]) for r in ("stop", "length")}}
+        if kind:
+            row["valid"] = sum(_valid(o.text, c["schema"]) for o, c in zip(outs[m], cases))
+            row["valid_rate"] = round(row["valid"] / len(cases), 3)
+            row["identical_to_ar_schema"] = [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar_schema"]]
+        else:
+            row["same_length_as_ar_schema"] = [len(o.token_ids) for o in outs[m]] == [len(o.token_ids)
+                                                                                for o in outs["ar_schema"]]
+            row["identical_to_ar_free"] = [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar_free"]]
+        res["modes"][m] = row
+        print(m, row, flush=True)
+    print("ratios", res["ratios"], flush=True)
+    res["examples"] = {c["name"]: outs["ar_schema"][i].text for i, c in enumerate(cases[:3])}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.structured", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default="smollm2-135m-draft")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--ks", default="2,4", help="draft lengths of the speculative modes")
+    ap.add_argument("--sections", default="masks,generate")
+    ap.add_argument("--schemas", type=int, default=15, help="how many of the schemas (from the first)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warm-walks", type=int, default=3, help="masks: walks after the cold one")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--date", default=time.strftime("%Y-%m-%d"))
+    ap.add_argument("--machine", default=None, help="a description of the machine for the report")
+    ap.add_argument("--out", default=None, help="JSON file (default bench/results/structured.json)")
+    args = ap.parse_args(argv)
+    args.ks = [int(k) for k in args.ks.split(",") if k]
+    torch.set_num_threads(args.threads)
+    sections = args.sections.split(",")
+    report = {"date": args.date, "machine": args.machine, "args": {k: v for k, v in vars(args).items()},
+              "torch_threads": args.threads}
+    try:
+        from importlib.metadata import version
+        report["versions"] = {p: version(p) for p in ("llguidance", "torch")}
+        try:
+            report["versions"]["xgrammar"] = version("xgrammar")
+        except Exception:  # noqa: BLE001 - not installed
+            pass
+    except Exception:  # noqa: BLE001
+        pass
+    if "masks" in sections:
+        report["masks"] = masks(args.target, args.warm_walks)
+    if "generate" in sections:
+        report["generate"] = generate(args)
+    out = args.out or os.path.join("bench", "results", "structured.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
