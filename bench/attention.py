@@ -13,8 +13,8 @@ batch 1 and 8, contexts 4k and 8k, with 1 and 2 threads, it prints:
               read bandwidth is bytes per second of an int32 max over 256 MB (a pure read
               stream, bench/machine.py's read_bandwidth), the best of 9 measured in the same run
               with the same thread count (so the floor is the lowest the machine showed); a copy's
-              read rate (about half of it: the floor of results before 2026-12-03, bench/README.md)
-              is printed beside it. "kernel cpu" is the process CPU time of the kernel's step (all
+              read rate (about half of it, the floor older results were measured against) is
+              printed beside it. "kernel cpu" is the process CPU time of the kernel's step (all
               threads): unlike wall time it does not grow while other processes hold the cores.
   forward     a SmolLM2-shaped random-weight model's verify forward at 4k and at 8k; its
               growth t(8k) - t(4k) against the extra KV bytes it reads / read bandwidth

@@ -20,7 +20,7 @@ RENDERED_BY_SECTION = {"penalties": penalties, "batching": batching, "long_conte
 
 
 def headline_table(res: dict) -> str:
-    """The few numbers that matter, as a markdown table (top of report.md, bench/README.md)."""
+    """The few numbers that matter, as a markdown table: report.md's Headline section."""
     L = ["| measurement | result |", "|---|---|"]
     cats = res.get("categories")
     if cats:

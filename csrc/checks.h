@@ -1,4 +1,4 @@
-// csrc/checks.h — argument checks shared by every op body (csrc/bindings.cpp).
+// csrc/checks.h — argument checks shared by every op body (csrc/*_ops.cpp).
 //
 // Every check names the argument and says what was expected, and raises a
 // Python exception (TORCH_CHECK_VALUE -> ValueError, TORCH_CHECK_TYPE ->

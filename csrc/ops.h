@@ -1,7 +1,7 @@
 // csrc/ops.h — the kernel entry points behind the specrt:: torch ops, and the
 // op bodies that validate arguments before calling them.
 //
-// Each registered op (CPU impls in csrc/bindings.cpp, CUDA impls in
+// Each registered op (CPU impls in csrc/{sampling,tree,kv}_ops.cpp, CUDA impls in
 // csrc/cuda/*.cu) is its op body below with that backend's kernel: the body
 // validates every argument (shape, dtype, device, contiguity, batch sizes,
 // values when asked), allocates the outputs and calls the *_cpu or *_cuda
@@ -98,7 +98,7 @@ void write_kv_cuda(at::Tensor& cache, int64_t layer, const at::Tensor& k, const 
                    const at::Tensor& slot_mapping);
 #endif
 
-// ---- op bodies (csrc/bindings.cpp) -----------------------------------------
+// ---- op bodies (csrc/sampling_ops.cpp, tree_ops.cpp, kv_ops.cpp) ------------
 // Kernel types: the *_cpu and *_cuda functions above (or a backend wrapper).
 using ProbsFromLogitsKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                        const at::Tensor&, at::Tensor&);
@@ -118,7 +118,7 @@ using CopyBlocksKernel = void (*)(const std::vector<at::Tensor>&, const at::Tens
 using CopySlotsKernel = void (*)(const std::vector<at::Tensor>&, const at::Tensor&);
 using WriteKvKernel = void (*)(at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 
-// Schemas and argument meaning: csrc/bindings.cpp and specrt/ops/.
+// Schemas and argument meaning: csrc/{sampling,tree,kv}_ops.cpp and specrt/ops/.
 at::Tensor probs_from_logits_op(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
                                 const at::Tensor& top_p, const std::optional<at::Tensor>& min_p, bool check_values,
                                 ProbsFromLogitsKernel kernel);

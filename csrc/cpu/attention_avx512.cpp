@@ -409,7 +409,7 @@ SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha,
 template <bool kDirect, bool kKeysInPlace = false>
 SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   static_assert(kManyLanes == 15, "the many-lane tile is instantiated for 15 and 16 lanes");
-  if constexpr (kDirect) {  // 15 or 16 lanes: the many-lane tile (measured faster from 15, bench/README.md)
+  if constexpr (kDirect) {  // 15 or 16 lanes: the many-lane tile (with fewer it is slower than the narrow one)
     if (g.live == 15) return tile_many<15, kKeysInPlace>(t, g, D, window, masked);
     if (g.live == 16) return tile_many<16, kKeysInPlace>(t, g, D, window, masked);
   }

@@ -28,6 +28,7 @@
 
 #include "attention_ops.h"
 #include "cpu/attention_tile.h"
+#include "cpu/thread_pool.h"
 #include "specrt/attention.h"
 
 namespace specrt {
@@ -125,13 +126,13 @@ class Kernel {
     const at::Tensor buf = at::empty({qt_floats_ + 16 + part_floats_}, a_.q.options());
     qt_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data_ptr<float>()) + 63) & ~uintptr_t{63});
     part_ = qt_ + qt_floats_;
-    at::parallel_for(0, B_, 1, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, B_, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t b = lo; b < hi; ++b) transpose_queries(reqs_[b]);
     });
     // dynamic scheduling: items differ in cost; an item's result does not depend on its thread
     std::atomic<int64_t> next{0};
     const int64_t n = static_cast<int64_t>(items_.size());
-    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       Scratch sc(Hkv_ * max_groups_, D_);
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) process(items_[i], sc, next);
     });
@@ -389,7 +390,7 @@ class Kernel {
     for (int64_t b = 0; b < B_; ++b)
       if (reqs_[b].num_chunks > 1)
         for (int64_t h = 0; h < Hkv_; ++h) todo.emplace_back(static_cast<int32_t>(b), static_cast<int32_t>(h));
-    at::parallel_for(0, static_cast<int64_t>(todo.size()), 1, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, static_cast<int64_t>(todo.size()), 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> a(D_);
       for (int64_t i = lo; i < hi; ++i) {
         const Request& r = reqs_[todo[i].first];

@@ -55,10 +55,9 @@ inline uint32_t tree_lanes16(const LaneGroup& g, int32_t kp) {
 }
 
 // The next tile's cache lines, requested a few per step of the AVX-512 score loops (and, on a bf16
-// cache, of the narrow tile's p * v key loops) while this tile is computed: spread over its arithmetic
-// rather than issued in one burst that stalls the core on its fill buffers (bench/README.md, paged
-// attention). The tile's keys are a few contiguous block segments of K rows; each V line is `plane`
-// bytes after its K line.
+// cache, of the narrow tile's p * v key loops) while this tile is computed: spread over its arithmetic,
+// since a burst holds every fill buffer until its lines arrive and stalls the core. The tile's keys are
+// a few contiguous block segments of K rows; each V line is `plane` bytes after its K line.
 struct Prefetch {
   const char* seg[kTileKeys + 1];
   int64_t seg_bytes[kTileKeys + 1];
@@ -85,8 +84,8 @@ struct Prefetch {
     while (pairs_per_step == 1 && (step_mask + 1) * 2 * lines <= steps) step_mask = 2 * step_mask + 1;
   }
   // Up to `pairs` line pairs from cursor (s, x), which advances; the score loop passes a copy of the
-  // cursor held in registers. Into L2 (locality 2), or into L1 (3) for the many-lane tile, where each
-  // measured faster (bench/README.md, paged attention).
+  // cursor held in registers. Into L2 (locality 2), or into L1 (3) for the many-lane tile: the faster
+  // level for each (from L1 a decode's narrow tile slows down).
   template <int kLocality = 2>
   void issue(int& s_, int64_t& x_, int pairs) const {
     for (; pairs > 0 && s_ < segs; --pairs) {
@@ -173,8 +172,8 @@ void combine_avx2(const float* part, int64_t chunks, int64_t stride, int D, floa
 void convert_avx2(const void* src, int kind, int64_t n, float* dst);
 void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out);
 
-// With AVX-512 every lane group takes the narrow tile (measured faster at 1..16 live lanes,
-// bench/README.md, paged attention). Call these only where AVX-512 F/BW/VL is available.
+// With AVX-512 every lane group takes the narrow tile: keys along the vector, so a decode's few lanes
+// do not pay for 16. Call these only where AVX-512 F/BW/VL is available.
 // t.kt = the tile's keys transposed, from the float tile t.k (D % 16 == 0) or, direct, from the bf16
 // cache rows t.rows (D % 32 == 0); once per tile and kv head, shared by its lane groups.
 void transpose_tile_avx512(const Tile& t, int D, bool direct);

@@ -3,12 +3,11 @@
 // and the KV-cache stores of rotary_write_kv.
 #include "cpu/fused_cpu.h"
 
-#include <ATen/Parallel.h>
-
 #include <cstring>
 
 #include "cpu/cpu_isa.h"
 #include "cpu/fused_kernel.h"
+#include "cpu/thread_pool.h"
 
 namespace specrt {
 namespace {
@@ -37,7 +36,7 @@ void run_rows(RowsFn<P> fn, const P& p, int64_t T, int64_t row_elems) {
     fn(p, 0, T);
     return;
   }
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { fn(p, t0, t1); });
+  parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { fn(p, t0, t1); });
 }
 
 inline uint16_t bf16_bits(float f) {  // nearest-even, NaN quiet (as torch's conversion)

@@ -1,11 +1,11 @@
 // CPU kernels of the KV-cache ops: copy_blocks, copy_slots and write_kv
 // (docs/architecture.md section 2). All are plain byte copies; references in specrt/reference.py.
 // bindings.cpp has validated shapes, dtypes and mapping values.
-#include <ATen/Parallel.h>
 
 #include <cstring>
 #include <vector>
 
+#include "cpu/thread_pool.h"
 #include "ops.h"
 
 namespace specrt {
@@ -22,7 +22,7 @@ void copy_blocks_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& bl
     const int64_t num_blocks = cache.size(2);
     const int64_t block_bytes = cache.stride(2) * cache.element_size();
     char* base = static_cast<char*>(cache.data_ptr());
-    at::parallel_for(0, pairs, 16, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, pairs, 16, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         const int64_t src = mapping[2 * i];
         const int64_t dst = mapping[2 * i + 1];
@@ -55,7 +55,7 @@ void copy_slots_cpu(const std::vector<at::Tensor>& caches, const at::Tensor& slo
       const int64_t src = mapping[2 * i], dst = mapping[2 * i + 1];
       return src >= 0 && src < num_slots && dst >= 0 && dst < num_slots;
     };
-    at::parallel_for(0, planes, 1, [&](int64_t lo, int64_t hi) {
+    parallel_for(0, planes, 1, [&](int64_t lo, int64_t hi) {
       std::vector<char> staged(static_cast<size_t>(pairs * slot_bytes));
       for (int64_t plane = lo; plane < hi; ++plane) {
         char* plane_base = base + plane * plane_bytes;
@@ -84,7 +84,7 @@ void write_kv_cpu(at::Tensor& cache, int64_t layer, const at::Tensor& k, const a
   const char* v_ptr = static_cast<const char*>(v.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t num_slots = cache.size(2) * cache.size(3);
-  at::parallel_for(0, tokens, 64, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, tokens, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0 || slot >= num_slots) continue;  // padding, or an unchecked bad slot: skip

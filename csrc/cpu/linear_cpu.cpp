@@ -3,9 +3,8 @@
 // the fp32/bf16 plumbing. The kernels are linear_{scalar,avx2,avx512,avx512bf16}.cpp.
 #include "cpu/linear_cpu.h"
 
-#include <ATen/Parallel.h>
-
 #include "cpu/linear_dynamic.h"
+#include "cpu/thread_pool.h"
 
 #include <atomic>
 
@@ -98,7 +97,7 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
   constexpr int64_t kBlock = 4;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     fn(p, b0 * kBlock, std::min(N, b1 * kBlock));
   });
   return y;
@@ -163,7 +162,7 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   if (M <= qgrain) {
     prepare(0, M);
   } else {
-    at::parallel_for(0, M, qgrain, prepare);
+    parallel_for(0, M, qgrain, prepare);
   }
   const auto fn = isa == 2   ? &linear::dynamic_rows_avx512vnni
                   : isa == 1 ? &linear::dynamic_rows_avx2
@@ -171,7 +170,7 @@ at::Tensor small_linear_dynamic_cpu(const at::Tensor& x_in, const at::Tensor& we
   constexpr int64_t kBlock = 4;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(p, b0 * kBlock, std::min(N, b1 * kBlock)); });
+  parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) { fn(p, b0 * kBlock, std::min(N, b1 * kBlock)); });
   return y;
 }
 
@@ -181,7 +180,7 @@ at::Tensor interleave_quant_weight_cpu(const at::Tensor& qweight, linear::Weight
   at::Tensor out = at::empty_like(qweight);
   const auto* src = static_cast<const uint8_t*>(qweight.data_ptr());
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  at::parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, G * B)),
+  parallel_for(0, N, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, G * B)),
                    [&](int64_t n0, int64_t n1) { linear::interleave_rows(src, dst, G, B, n0, n1, inverse); });
   return out;
 }

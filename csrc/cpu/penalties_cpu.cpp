@@ -5,12 +5,12 @@
 // Per row: the request's draft tokens before the row are looked up in its
 // sorted entries (binary search), so a row costs O(entries + i log entries)
 // whatever the vocabulary; each token is rewritten once. Rows run in parallel.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "cpu/thread_pool.h"
 #include "penalties_ops.h"
 #include "specrt/penalties.h"
 
@@ -31,7 +31,7 @@ void apply_penalties_cpu(const PenaltiesArgs& a) {
   const float* rp = a.repetition_penalty.data_ptr<float>();
   const float* fp = a.frequency_penalty.data_ptr<float>();
   const float* pp = a.presence_penalty.data_ptr<float>();
-  at::parallel_for(0, R, 16, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, R, 16, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> hits;    // entries the row's earlier drafts hit (with multiplicity)
     std::vector<int32_t> fresh;   // the row's earlier drafts that are no entry (with multiplicity)
     for (int64_t r = lo; r < hi; ++r) {

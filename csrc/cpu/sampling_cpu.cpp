@@ -2,13 +2,12 @@
 // csrc/include/specrt/sampling.h and is shared with csrc/cuda; the reference
 // of each function is the function of the same name in specrt/reference.py.
 //
-// Parallelism: at::parallel_for over (row, vocabulary chunk) tasks, so one
+// Parallelism: parallel_for (csrc/cpu/thread_pool.h) over (row, vocabulary chunk) tasks, so one
 // request with a 128k vocabulary still uses every core; per-chunk winners are
 // packed u64 (key, lowest index) and reduced with max, exactly as the CUDA
 // kernels reduce with atomicMax, so the thread count never changes a result.
 // The races run on the vector path csrc/cpu/cpu_isa.h picks (csrc/cpu/race.h):
 // bit-identical to the scalar definition, much faster.
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,6 +18,7 @@
 #include "cpu/probs.h"
 #include "cpu/probs_select.h"
 #include "cpu/race.h"
+#include "cpu/thread_pool.h"
 #include "ops.h"
 #include "specrt/sampling.h"
 
@@ -37,7 +37,7 @@ template <typename TaskFn>
 std::vector<uint64_t> reduce_rows_by_chunks(int64_t num_rows, int64_t vocab, const TaskFn& task) {
   const int64_t chunks = num_chunks(vocab);
   std::vector<uint64_t> partial(static_cast<size_t>(num_rows * chunks), 0);
-  at::parallel_for(0, num_rows * chunks, 1, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, num_rows * chunks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t row = t / chunks;
       const int64_t c = t % chunks;
@@ -101,7 +101,7 @@ void probs_from_logits_cpu(const at::Tensor& logits, const at::Tensor& temperatu
   const float* mp = min_p.defined() ? min_p.data_ptr<float>() : nullptr;
   float* out = probs.data_ptr<float>();
   const CpuIsa isa = cpu_isa();
-  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scratch;
     for (int64_t r = lo; r < hi; ++r)
       probs_row(isa, x + r * vocab, t[r], k[r], p[r], mp ? mp[r] : 0.0f, vocab, out + r * vocab, scratch);

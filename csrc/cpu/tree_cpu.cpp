@@ -4,12 +4,11 @@
 // reference of each function is the function of the same name in
 // specrt/reference.py.
 //
-// Parallelism: at::parallel_for over requests; one request walks its tree
+// Parallelism: parallel_for (csrc/cpu/thread_pool.h) over requests; one request walks its tree
 // sequentially (each step depends on the one before). Per visited node the
 // work is one pass over the vocabulary: an argmax (greedy), a race (coupled,
 // and the final draw of rejection) or, per rejected sibling, one residual pass
 // (csrc/cpu/tree_rows.h, vectorised for AVX2 / AVX-512 with the same bits).
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <vector>
@@ -18,6 +17,7 @@
 #include "cpu/probs.h"
 #include "cpu/race.h"
 #include "cpu/simd_target.h"
+#include "cpu/thread_pool.h"
 #include "ops.h"
 #include "specrt/philox.h"
 #include "specrt/sampling.h"
@@ -114,7 +114,7 @@ void verify_tree_greedy_cpu(const at::Tensor& target_logits, const at::Tensor& n
   const CpuIsa isa = cpu_isa();
   std::fill(out, out + batch * n1, -1);
   std::fill(path, path + batch * max_nodes, -1);
-  at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const Tree tree{tokens + b * max_nodes, parents + b * max_nodes,
                       clamp_num_nodes(counts[b], static_cast<int32_t>(max_nodes))};
@@ -159,7 +159,7 @@ void rejection_sample_tree_cpu(const at::Tensor& target_probs, const std::option
   const CpuIsa isa = cpu_isa();
   std::fill(out, out + batch * n1, -1);
   std::fill(path, path + batch * max_nodes, -1);
-  at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
+  parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
     // two residual buffers: a pass reads one and writes the other
     std::vector<float> scratch(method == AcceptMethod::kRejection ? static_cast<size_t>(2 * vocab) : 0);
     for (int64_t b = lo; b < hi; ++b) {

@@ -20,7 +20,7 @@
 //
 // No host synchronisation anywhere: seeds, positions, num_draft_tokens and
 // num_accepted are read on the device, so every op is CUDA-graph capturable.
-// Device inputs are NOT validated here (the op bodies in bindings.cpp do that
+// Device inputs are NOT validated here (the op bodies in sampling_ops.cpp do that
 // on the host in debug mode); instead every data-dependent index is
 // clamped/guarded so bad ids never read or write out of bounds. The CUDA
 // registrations of the ops are at the end of this file.

@@ -23,7 +23,7 @@
 // specrt/reference.py. Every thread of a CTA computes the same control flow (the
 // node arrays, coins and reduction results are the same for all of them). No
 // host synchronisation: counts, seeds and positions are read on the device.
-// Device inputs are not validated here (bindings.cpp does it on the host in
+// Device inputs are not validated here (tree_ops.cpp does it on the host in
 // debug mode); node counts are clamped, bad token ids never match or get read,
 // and a node whose parent is out of range is simply unreachable.
 #include <ATen/ATen.h>

@@ -73,7 +73,7 @@ template <int>
 constexpr bool kUnsupported = false;
 
 // ---------------------------------------------------------------------------
-// Runtime (csrc/emu/cuda_emu.cpp)
+// Runtime (csrc/emu/cuda_emu.cpp, emu_collectives.cpp, emu_errors.cpp)
 // ---------------------------------------------------------------------------
 struct ThreadIds {
   uint3 thread_idx, block_idx;

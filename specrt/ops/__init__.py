@@ -2,7 +2,7 @@
 the compiled ``specrt._C``.
 
 Every op is a real torch op (``torch.ops.specrt.<name>``, schemas in
-csrc/bindings.cpp) with CPU and CUDA implementations and a fake kernel (``ops.fakes``),
+csrc/*_ops.cpp) with CPU and CUDA implementations and a fake kernel (``ops.fakes``),
 so it traces under ``torch.compile(fullgraph=True)`` and passes
 ``torch.library.opcheck``. The functions re-exported here (from ops.sampling,
 ops.tree, ops.kv, ops.matmul, ops.fused, ops.library) are its documented Python front:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes the fused ops take (float32, bfloat16; CPU tensors)."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -19,7 +20,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     residual [T, H] like x or None.
     Returns: [T, H] in x's dtype (a new tensor).
 
-    Example:
+    Examples:
         >>> h = ops.rms_norm(delta, w, 1e-5, residual=stream)  # stream += delta; h = norm(stream)
     """
     if residual is None:
@@ -36,7 +37,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     Shape: x [T, 2I] float32 or bfloat16 (unit stride in the last dim).
     Returns: [T, I] in x's dtype.
 
-    Example:
+    Examples:
         >>> a = ops.silu_mul(gate_up(h))   # [T, I]
     """
     return torch.ops.specrt.silu_mul(x)
@@ -57,7 +58,7 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     float32 or bfloat16, contiguous; slot_mapping [T] int64 in [-1, num_blocks * block_size).
     Returns: q [T, H, D] in q_dtype (default qkv's dtype).
 
-    Example:
+    Examples:
         >>> q = ops.rotary_write_kv(qkv, cos, sin, 9, 3, cache, layer=0, slot_mapping=slots)
     """
     return torch.ops.specrt.rotary_write_kv(qkv, cos, sin, int(num_heads), int(num_kv_heads), kv_cache, int(layer),

@@ -50,7 +50,7 @@ def copy_blocks(caches: Sequence[torch.Tensor], block_mapping, check_values: boo
     A CPU mapping is always validated (in range for every cache, distinct
     destinations, no block both source and destination).
 
-    Example:
+    Examples:
         >>> ops.copy_blocks([target_cache, draft_cache], torch.tensor([[3, 8]]))   # block 3 -> block 8
     """
     caches = _cache_list(caches)
@@ -74,7 +74,7 @@ def copy_slots(caches: Sequence[torch.Tensor], slot_mapping, check_values: bool 
     block_size); slot_mapping [P, 2] int64 (src, dst), on the CPU or on the caches' device. A CPU
     mapping is always validated (in range for every cache, distinct destinations).
 
-    Example:
+    Examples:
         >>> ops.copy_slots([target_cache, draft_cache], torch.tensor([[37, 34], [39, 35]]))   # nodes 3, 5 -> 34, 35
     """
     caches = _cache_list(caches)
@@ -93,7 +93,7 @@ def write_kv(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, 
     k, v [T, kv_heads, head_dim] in the cache's dtype, slot_mapping [T] int64
     (-1 = padding, skipped).
 
-    Example:
+    Examples:
         >>> ops.write_kv(cache, 0, k, v, torch.tensor([17, -1, 18]))   # k, v [3, kv_heads, head_dim]
     """
     cache = _tensor(cache, "cache")
@@ -134,7 +134,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
 
     Returns: out [T, H, D] float32; rows past ``query_start_loc[B]`` (padding) are zero.
 
-    Example:
+    Examples:
         >>> meta = AttentionMetadata.build([7, 3], [5, 1], [[4, 0], [2]], block_size=4)
         >>> out = ops.paged_attention(q, cache[layer], meta.block_tables, meta.seq_lens,
         ...                           meta.query_start_loc, scale=head_dim ** -0.5)

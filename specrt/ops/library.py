@@ -1,6 +1,6 @@
 """Loads specrt's compiled extension (the only importer of ``specrt._C``) and reports what it can do.
 
-Importing ``specrt._C`` registers every ``torch.ops.specrt`` op (schemas in csrc/bindings.cpp).
+Importing ``specrt._C`` registers every ``torch.ops.specrt`` op (schemas in csrc/*_ops.cpp).
 The helpers below say what this build and CPU offer: the CUDA kernels, and the instruction
 sets the CPU kernels may use (testing hooks: every ISA returns the same bits).
 """

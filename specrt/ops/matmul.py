@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 QUANT_KINDS = ("int8", "q8_0", "q4_0", "q4_1")
+"""The weight formats of ``quant_linear``: int8 per output row, and llama.cpp's Q8_0, Q4_0, Q4_1 blocks of 32."""
 
 
 def _linear_input(x, name: str = "x") -> torch.Tensor:
@@ -41,7 +42,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias [N] (any float dtype) or None.
     Returns: y [..., N] in x's dtype. Non-CPU tensors take torch's ``F.linear``.
 
-    Example:
+    Examples:
         >>> y = ops.linear(torch.randn(5, 576), torch.randn(1536, 576))  # [5, 1536]
     """
     x2 = _linear_input(x)
@@ -66,7 +67,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     mins is None except for q4_1; K must be a multiple of 32 for the grouped kinds.
     Returns: y [..., N] in x's dtype. Non-CPU tensors dequantize and take ``F.linear``.
 
-    Example:
+    Examples:
         >>> y = ops.quant_linear(x, qweight, d, None, None, "q8_0")
     """
     x2 = _quant_rows(x, kind)
@@ -95,7 +96,7 @@ def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     Shape: as quant_linear, with K a multiple of 32 for every kind (int8 included).
     Returns: y [..., N] in x's dtype.
 
-    Example:
+    Examples:
         >>> y = ops.quant_linear_dynamic(x, qweight, d, m, None, "q4_1")
     """
     x2 = _quant_rows(x, kind)
@@ -121,7 +122,7 @@ def interleave_quant_weight(qweight: torch.Tensor, kind: str, inverse: bool = Fa
     Shape: qweight [N, K] int8 (int8, q8_0) or [N, K/2] uint8 (q4_0, q4_1), K a multiple of 32.
     Returns: a new contiguous tensor. Non-CPU tensors take reference.interleave_quant_weight.
 
-    Example:
+    Examples:
         >>> w = ops.interleave_quant_weight(qweight, "q4_1")
         >>> torch.equal(ops.interleave_quant_weight(w, "q4_1", inverse=True), qweight)
         True

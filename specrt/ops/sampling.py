@@ -11,10 +11,12 @@ from specrt.ops.checks import _as, _bool, _check_values, _cpu_only, _float_input
 from specrt.ops.library import philox4x32_10_words
 
 PURPOSES = {"draft": 1, "accept": 2, "residual": 3, "target": 4}
+"""The Philox streams, by name: a random number's purpose is part of its counter (``uniform_noise``)."""
 METHODS = ("rejection", "coupled")
-# Temperatures below this (0 included) are greedy in probs_from_logits: one-hot
-# at the argmax (csrc/include/specrt/sampling.h, kGreedyTemperature).
+"""The acceptance rules of ``rejection_sample`` and ``rejection_sample_tree`` (their ``method``)."""
 TEMPERATURE_EPS = 1e-5
+"""Temperatures below this (0 included) are greedy in ``probs_from_logits``: a one-hot row at the argmax
+(csrc/include/specrt/sampling.h, kGreedyTemperature)."""
 
 
 def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p=None,
@@ -32,7 +34,7 @@ def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p=Non
     renormalised after both. Draft and target rows of a request must get the
     same parameters, or acceptance silently drops.
 
-    Example:
+    Examples:
         >>> probs = ops.probs_from_logits(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]),
         ...                               min_p=torch.tensor([0.05]))
     """
@@ -67,7 +69,7 @@ def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_i
     (bool) / entry_bias (float32) [E], repetition_penalty / frequency_penalty / presence_penalty
     [B] float32 (1, 0, 0 = off).
 
-    Example:
+    Examples:
         >>> ops.apply_penalties(logits, [0, 0], [0, 1], drafts, [0, 2], [3, 9], [1, 0], [False, True], [0.0, -5.0],
         ...                     [1.2], [0.5], [0.1])     # logits [2, V]: request 0 at its draft positions 0 and 1
     """
@@ -101,7 +103,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens
     target's argmax at the first mismatch (or the bonus token). NaN logits count
     as -inf; ties go to the lowest token id.
 
-    Example:
+    Examples:
         >>> out, n = ops.verify_greedy(logits, torch.tensor([[5, 9]]), torch.tensor([2]))   # logits [1, 3, V]
     """
     target_logits = _float_input(target_logits, "target_logits")
@@ -132,7 +134,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
 
     Returns: (output_token_ids [B, K+1] int32 padded with -1, num_accepted [B] int32).
 
-    Example:
+    Examples:
         >>> out, n = ops.rejection_sample(p, q, ids, torch.tensor([2]), torch.tensor([7]), torch.tensor([30]))
     """
     if not isinstance(method, str) or method not in METHODS:
@@ -167,7 +169,7 @@ def sample_tokens(probs: torch.Tensor, seeds, positions, purpose: str = "target"
     all-zero row is an error (it has no token to sample); without them it
     yields token 0.
 
-    Example:
+    Examples:
         >>> tokens = ops.sample_tokens(probs, torch.tensor([7, 7]), torch.tensor([30, 31]))   # probs [2, V]
     """
     code = _purpose_code(purpose)
@@ -190,7 +192,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, purpose: str, in
 
     Shape: seeds, positions, index [N] (integers). Returns: [N] float32.
 
-    Example:
+    Examples:
         >>> u = ops.uniform_noise(torch.tensor([7]), torch.tensor([30]), "accept", torch.tensor([0]))
     """
     code = _purpose_code(purpose)
@@ -205,7 +207,7 @@ def log_det(x: torch.Tensor) -> torch.Tensor:
 
     Shape: x [N] positive normal floats. Returns: [N] float32.
 
-    Example:
+    Examples:
         >>> ops.log_det(torch.tensor([1.0, 2.0]))   # tensor([0.0000, 0.6931])
     """
     x = _cpu_only(x, "x")

@@ -10,7 +10,7 @@ A chain is the one-child case (parents [-1, 0, 1, ...]) and returns exactly what
 ``verify_greedy`` / ``rejection_sample`` return.
 
 The ops are torch.ops.specrt.verify_tree_greedy / rejection_sample_tree (schemas in
-csrc/bindings.cpp, CPU kernel csrc/cpu/tree_cpu.cpp, CUDA kernel csrc/cuda/tree_cuda.cu, shared
+csrc/tree_ops.cpp, CPU kernel csrc/cpu/tree_cpu.cpp, CUDA kernel csrc/cuda/tree_cuda.cu, shared
 math csrc/include/specrt/tree.h, reference specrt/reference.py).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def verify_tree_greedy(target_logits: torch.Tensor, node_token_ids, node_parents
     final token; num_accepted [B] int32; accepted_nodes [B, N] int32 padded with -1: the accepted
     node indices in path order).
 
-    Example:
+    Examples:
         >>> # root -> {0: token 5, 1: token 7}, node 0 -> {2: token 9}; logits [1, 4, V]
         >>> out, n, nodes = ops.verify_tree_greedy(logits, [[5, 7, 9]], [[-1, -1, 0]], [3])
     """
@@ -75,7 +75,7 @@ def rejection_sample_tree(target_probs: torch.Tensor, draft_probs: torch.Tensor 
     Returns: (output_token_ids [B, N+1] int32 padded with -1, num_accepted [B] int32,
     accepted_nodes [B, N] int32 padded with -1), as ``verify_tree_greedy``.
 
-    Example:
+    Examples:
         >>> # two top-k children of the root, one grandchild under the first; p [1, 4, V]
         >>> out, n, nodes = ops.rejection_sample_tree(p, None, [[5, 7, 9]], [[-1, -1, 0]], [3],
         ...                                           torch.tensor([7]), torch.tensor([30]))

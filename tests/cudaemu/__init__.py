@@ -34,6 +34,7 @@ REPO = HERE.parent.parent
 CSRC = REPO / "csrc"
 EMU = CSRC / "emu"
 CUDA_SOURCES = sorted((CSRC / "cuda").glob("*.cu"))
+EMU_RUNTIME = [EMU / name for name in ("cuda_emu.cpp", "emu_collectives.cpp", "emu_errors.cpp")]   # torch-free
 NAMESPACE = "specrt_emu"
 BROKEN_NAMESPACE = "specrt_emu_broken"
 ORDERS = ("forward", "reverse", "shuffle")
@@ -201,7 +202,7 @@ def _build(variant: str, sources: list[tuple[str, Path | str]], torch_side: bool
                 shutil.copyfile(src_path, cpp)
                 prelude = []
             jobs.append([cxx, *common, *prelude, "-c", str(cpp), "-o", str(tmp / f"{name}.o")])
-        jobs.append([cxx, *common, "-c", str(EMU / "cuda_emu.cpp"), "-o", str(tmp / "cuda_emu.o")])
+        jobs += [[cxx, *common, "-c", str(src), "-o", str(tmp / f"{src.stem}.o")] for src in EMU_RUNTIME]
         if torch_side:
             jobs.append([cxx, *common, "-c", str(EMU / "emu_ops.cpp"), "-o", str(tmp / "emu_ops.o")])
         try:
@@ -249,7 +250,7 @@ class Emulated:
         torch.ops.load_library(str(path))
         self.path, self.namespace = path, namespace
         self.op_names = sorted({m.group(1) for text in texts for m in re.finditer(r'\bm\.impl\(\s*"(\w+)"', text)})
-        # schemas: the very ones of torch.ops.specrt (csrc/bindings.cpp & co.)
+        # schemas: the very ones of torch.ops.specrt (csrc/*_ops.cpp)
         self._lib = torch.library.Library(namespace, "FRAGMENT")
         for name in self.op_names:
             schema = str(getattr(torch.ops.specrt, name).default._schema)

@@ -1,6 +1,6 @@
 // tests/cudaemu/selftest.cu — small kernels that exercise the SIMT emulator
 // (csrc/emu) itself: correct ones, and deliberately broken ones it must catch.
-// Torch-free; built with csrc/emu/cuda_emu.cpp into a small shared library
+// Torch-free; built with the emulator runtime (csrc/emu/*.cpp) into a small shared library
 // that tests/test_cuda_emulated.py drives through ctypes:
 //   int emu_selftest(const char* name, const char* order, uint64_t seed,
 //                    long long* result, char* message, size_t message_size)
