@@ -13,11 +13,12 @@ prompt in the same chunks, so their agreement never depends on it). Writes a JSO
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from bench.runner import write_json
 
 
 def long_prompt(tokenizer, n: int) -> list[int]:
@@ -89,8 +90,7 @@ def main(argv=None) -> int:
               f"{r['median_gap_ms']} ms while the {args.long_tokens}-token prompt is fed; its first token after "
               f"{r['long_first_token_s']:.2f} s; same tokens {r['same_tokens_as_first']}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+        write_json({"args": vars(args), "rows": rows}, args.out)
     return 0
 
 

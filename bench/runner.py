@@ -8,6 +8,8 @@ and reports medians over repeats.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import math
 import random
 import statistics
@@ -255,3 +257,12 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
 def strip_ids(d: dict) -> dict:
     """A comparison's results without the token ids (for the JSON)."""
     return {k: {kk: vv for kk, vv in v.items() if kk != "token_ids"} for k, v in d.items()}
+
+
+def write_json(report: dict, out: str) -> str:
+    """Write a benchmark's report (anything json can't encode as its str) to ``out``; returns the path."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    print(f"wrote {out}")
+    return out

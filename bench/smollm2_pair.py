@@ -17,14 +17,13 @@ and K+1-token forwards alike only with the small-M kernel). Writes a JSON with e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
 from bench.costs import measure_costs, theoretical_speedup
-from bench.runner import compare, make_llm, shared_loader, strip_ids
+from bench.runner import compare, make_llm, shared_loader, strip_ids, write_json
 
 
 def prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -135,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {m:12s} {row['tokens_per_s']:7.2f} tok/s  x{row['speedup']:.3f} {row['speedup_interval']}  "
                   f"tau {row['tau']:.2f}  acc {row['acceptance_per_position']}  "
                   f"theory {row.get('theoretical_speedup', '-')}  identical {row['identical_to_ar']}", flush=True)
-    out = args.out or os.path.join("bench", "results", f"smollm2_pair-{args.dtype}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"wrote {out}")
+    write_json(report, args.out or os.path.join("bench", "results", f"smollm2_pair-{args.dtype}.json"))
     return 0
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench.runner import median, median_interval, shared_loader
+from bench.runner import median, median_interval, shared_loader, write_json
 
 SCHEMAS = Path(__file__).with_name("structured_schemas.json")
 
@@ -267,11 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         report["masks"] = masks(args.target, args.warm_walks)
     if "generate" in sections:
         report["generate"] = generate(args)
-    out = args.out or os.path.join("bench", "results", "structured.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"wrote {out}")
+    write_json(report, args.out or os.path.join("bench", "results", "structured.json"))
     return 0
 
 

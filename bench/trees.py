@@ -17,13 +17,12 @@ nodes drafted per step, and whether its tokens equal autoregressive decoding. Wr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
 
-from bench.runner import compare, make_llm, shared_loader, strip_ids
+from bench.runner import compare, make_llm, shared_loader, strip_ids, write_json
 from bench.smollm2_pair import prompts as heldout_prompts
 
 
@@ -102,12 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {m:12s} {rows[m]['tokens_per_s']:7.2f} tok/s  x{rows[m]['speedup']:.3f} "
               f"{rows[m]['speedup_interval']}  tau {rows[m]['tau']:.2f}  nodes/step {rows[m]['nodes_per_step']:.1f}  "
               f"identical {rows[m]['identical_to_ar']}", flush=True)
-    out = args.out or os.path.join("bench", "results", f"trees-t{args.temperature:g}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items()}, "started": started, "summary": rows,
-                   "full": strip_ids(res)}, f, indent=2, default=str)
-    print(f"wrote {out}")
+    write_json({"args": vars(args), "started": started, "summary": rows, "full": strip_ids(res)},
+               args.out or os.path.join("bench", "results", f"trees-t{args.temperature:g}.json"))
     return 0
 
 

@@ -38,21 +38,25 @@ AUTO = "auto"
 AUTO_DRAFT_QUANTIZE = "q8_0"   # what draft_quantize="auto" picks where the int8-activation kernel has VNNI
 
 
+def is_model_draft(draft) -> bool:
+    """Whether ``draft`` (the engine's ``draft=``) loads a draft model: a name or folder, alone or
+    before "+ngram" / "+suffix"; not None, "none", n-gram, suffix or self:N drafting."""
+    return isinstance(draft, (str, Path)) and str(draft) != "none" \
+        and not str(draft).startswith(("ngram", "self:", "suffix"))
+
+
 def resolve_draft_quantize(draft_quantize, draft, device: torch.device) -> tuple[str | None, bool]:
     """(the draft model's quantization or None, whether its quantized layers take int8 activations).
 
     "auto" (the engine's default) picks Q8_0 weights with int8 activations for a draft model on a
-    CPU whose int8 kernel runs on AVX-512-VNNI: the draft's acceptance is unchanged (its logits
-    move by ~0.5%) and its steps cost ~25% less (docs/benchmarks.md, "the draft's precision");
-    full precision elsewhere (GPUs, CPUs without VNNI, drafters without a model). None / a kind:
+    CPU whose int8 kernel runs on AVX-512-VNNI: the draft's acceptance stays the same and its steps
+    get cheaper (docs/benchmarks.md, "Token trees and the default engine"); full precision elsewhere (GPUs, CPUs without VNNI, drafters without a model). None / a kind:
     as given."""
     if draft_quantize != AUTO:
         return check_quantize(draft_quantize, "draft_quantize"), False
     from specrt import ops
 
-    model_draft = isinstance(draft, (str, Path)) and str(draft) not in ("none", "suffix") \
-        and not str(draft).startswith(("ngram", "self:", "suffix"))
-    if model_draft and device.type == "cpu" and ops.linear_dynamic_isa() == "avx512vnni":
+    if is_model_draft(draft) and device.type == "cpu" and ops.linear_dynamic_isa() == "avx512vnni":
         return AUTO_DRAFT_QUANTIZE, True
     return None, False
 
@@ -138,8 +142,7 @@ def load_target(target, draft, device: torch.device, dtype, loader: ModelLoader 
     dtype = resolve_engine_dtype(dtype, device, path)
     draft_kind, draft_int8 = resolve_draft_quantize(draft_quantize, draft, device)
     draft_load = quantized_loader(load, draft_kind, draft_dtype, keep_quantized=draft_quantize == AUTO)
-    if draft_load is not load and (not isinstance(draft, (str, Path)) or str(draft).startswith(("ngram", "self:"))
-                                   or str(draft) == "none"):
+    if draft_load is not load and not is_model_draft(draft):
         raise ValueError(f"draft_quantize / draft_dtype apply to a draft model, got draft={draft!r}")
     model = quantized_loader(load, check_quantize(target_quantize, "target_quantize"))(path, "target", dtype, device)
     if int8_activations and not use_int8_activations(model):

@@ -35,6 +35,7 @@ from specrt.config import SamplingParams
 from specrt.controls import TokenLogprob
 from specrt.metrics import RequestStats
 from specrt.policy import RequestPolicyState
+from specrt.structured import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -92,7 +93,7 @@ class Request:
     evidence_class: int | None = None     # what the drafter's current proposal rests on (n-gram: the
                                           # matched suffix length); the budget policy pools acceptance by it
     controls_state: object | None = None  # specrt.controls.ControlState: history for penalties and bans
-    grammar: object | None = None         # specrt.structured.Grammar of params.structured (compiled at intake)
+    grammar: Grammar | None = None        # the compiled grammar of params.structured (at intake)
     output_logprobs: list[TokenLogprob] | None = None         # [num_generated] when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [len(prompt)] once computed (prompt_logprobs)
 

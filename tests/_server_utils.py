@@ -106,3 +106,19 @@ def sse(lines) -> list[dict]:
         events.append(json.loads(data))
     assert done, "the stream did not end with data: [DONE]"
     return events
+
+
+def post_ok(srv, path: str, **body) -> dict:
+    """POST ``body`` (model "tiny") to a live server; asserts a 200 and returns the JSON answer."""
+    r = srv.client.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def api_of(pair, max_draft_length: int, max_batch_size: int = 8):
+    """The Python API over the pair with serve_pair's settings (what a server's answers must match)."""
+    from specrt import LLM, SpecConfig
+
+    tdir, ddir = pair
+    return LLM(target=str(tdir), draft=str(ddir), device="cpu",
+               spec=SpecConfig(max_draft_length=max_draft_length, max_batch_size=max_batch_size))

@@ -17,10 +17,9 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from _engine_utils import make_pair  # noqa: E402
-from _server_utils import serve_pair, sse  # noqa: E402
+from _server_utils import api_of, post_ok, serve_pair, sse  # noqa: E402
 
-from specrt import LLM  # noqa: E402
-from specrt.config import SamplingParams, SpecConfig  # noqa: E402
+from specrt.config import SamplingParams  # noqa: E402
 
 K = 3
 PROMPT = "w5 w6 w7 w8 w5 w6"
@@ -43,14 +42,10 @@ def srv(pair):
 @pytest.fixture(scope="module")
 def api(pair):
     """The Python API over the same pair and settings (the server's answers must match it)."""
-    tdir, ddir = pair
-    return LLM(target=str(tdir), draft=str(ddir), device="cpu", spec=SpecConfig(max_draft_length=K, max_batch_size=8))
+    return api_of(pair, K)
 
 
-def _post(srv, path, **body):
-    r = srv.client.post(path, json={"model": "tiny", **body})
-    assert r.status_code == 200, r.text
-    return r.json()
+_post = post_ok
 
 
 def _completion(srv, **body):

@@ -634,6 +634,7 @@ def test_draft_quantize_auto_picks_q8_0_with_int8_activations_only_where_vnni_ru
     monkeypatch.setattr(ops, "linear_dynamic_isa", lambda: "avx512vnni")
     assert loading.resolve_draft_quantize("auto", "some/folder", cpu) == ("q8_0", True)
     assert loading.resolve_draft_quantize("auto", "some/folder", gpu) == (None, False)
+    assert loading.resolve_draft_quantize("auto", "some/folder+suffix", cpu) == ("q8_0", True)
     for d in (None, "none", "ngram", "ngram:3", "self:2", "suffix", "suffix:scoped=1"):
         assert loading.resolve_draft_quantize("auto", d, cpu) == (None, False), d
     assert loading.resolve_draft_quantize(None, "some/folder", cpu) == (None, False)

@@ -21,11 +21,10 @@ pytest.importorskip("httpx")
 pytest.importorskip("llguidance")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _server_utils import serve_pair, sse  # noqa: E402
+from _server_utils import api_of, post_ok, serve_pair, sse  # noqa: E402
 from test_structured import SCHEMA, structured_pair  # noqa: E402
 
-from specrt import LLM  # noqa: E402
-from specrt.config import SamplingParams, SpecConfig  # noqa: E402
+from specrt.config import SamplingParams  # noqa: E402
 from specrt.structured import Structured  # noqa: E402
 
 K = 3
@@ -52,14 +51,10 @@ def srv(pair):
 
 @pytest.fixture(scope="module")
 def api(pair):
-    tdir, ddir = pair
-    return LLM(target=str(tdir), draft=str(ddir), device="cpu", spec=SpecConfig(max_draft_length=K, max_batch_size=8))
+    return api_of(pair, K)
 
 
-def _post(srv, path, **body):
-    r = srv.client.post(path, json={"model": "tiny", **body})
-    assert r.status_code == 200, r.text
-    return r.json()
+_post = post_ok
 
 
 FIELDS = [

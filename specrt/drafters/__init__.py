@@ -10,17 +10,17 @@ interface (``base.Drafter``), one factory reading the ``draft=`` argument (``fac
   target's tokens; the others get draft probability zero);
 - ``feature``: an EAGLE-style feature DraftModel folder (reduced head too), fed the target's own
   final-normed hidden states from the verify forward (``Drafter.observe_target``);
-- ``size``: the start-up warning for a draft over ~1/3 of the target's weight bytes.
+- ``size``: model sizes in bytes, and the start-up warning for a draft over ~1/3 of the target's weight bytes.
 """
 from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft,
                                   PreLength, StopRule, no_drafts)
 from specrt.drafters.factory import make_drafter
 from specrt.drafters.feature import FeatureDrafter, TargetFeatures
-from specrt.drafters.model import ModelDrafter, module_bytes
+from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer, NgramState
 from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
-from specrt.drafters.size import DRAFT_SIZE_LIMIT, check_draft_size
+from specrt.drafters.size import DRAFT_SIZE_LIMIT, check_draft_size, module_bytes
 
 __all__ = ["DRAFT_SIZE_LIMIT", "DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "Drafter", "FeatureDrafter", "ModelDrafter",
            "NgramDrafter", "NgramProposer", "NgramState", "PreDraft", "PreLength", "ReducedDrafter", "SelfDrafter",

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from specrt.drafters.base import DraftProposal, DraftSettings, PreDraft
-from specrt.drafters.model import module_bytes
+from specrt.drafters.size import module_bytes
 from specrt.drafters.reduced import ReducedDrafter
 
 MAX_SPANS = 16     # spans a request keeps before they are merged into one (one copy of its lag)

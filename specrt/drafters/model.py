@@ -21,6 +21,7 @@ from specrt.config import SamplingParams
 from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, PreLength,
                                   StopRule)
 from specrt.drafters.lookup import PromptLookup, fill_lookup_rows
+from specrt.drafters.size import module_bytes
 from specrt.drafters.tree import draft_tree
 from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
@@ -452,25 +453,6 @@ class ModelDrafter(Drafter):
                 out.p_acc[i].append(pa)
             res.append((a, rules[i](depth, qx[t], pa)))
         return res
-
-
-def module_bytes(*modules) -> int:
-    """Bytes of the modules' parameters and buffers: the union of the memory ranges they view, so
-    tied or fused weights count once, and a weight arena (one storage holding every projection,
-    rounded up to huge pages) counts only the bytes its tensors use."""
-    spans = sorted({(t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                    for t in itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers())
-                                                           for m in modules) if t.numel()},
-                   key=lambda s: (str(s[0]), s[1]))
-    total, end, dev = 0, None, None
-    for d, lo, hi in spans:
-        if d != dev or end is None or lo >= end:
-            total += hi - lo
-            dev, end = d, hi
-        elif hi > end:
-            total += hi - end
-            end = hi
-    return total
 
 
 class _PreOut:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from specrt.drafters.base import DraftSettings
-from specrt.drafters.model import ModelDrafter, module_bytes
+from specrt.drafters.model import ModelDrafter
+from specrt.drafters.size import module_bytes
 
 
 class ReducedDrafter(ModelDrafter):

@@ -10,7 +10,8 @@ next verification writes every position it verifies)."""
 from __future__ import annotations
 
 from specrt.drafters.base import DraftSettings, PreDraft
-from specrt.drafters.model import ModelDrafter, module_bytes
+from specrt.drafters.model import ModelDrafter
+from specrt.drafters.size import module_bytes
 
 
 class SelfDrafter(ModelDrafter):

@@ -200,8 +200,9 @@ def engine_kwargs(args) -> dict:
         kw["draft_quantize"] = None
     if getattr(args, "int8_activations", False):
         kw["int8_activations"] = True
-    if ("draft_quantize" in kw or "draft_dtype" in kw) and (draft is None or str(draft) == "none"
-                                                            or str(draft).startswith(("ngram", "self:"))):
+    from specrt.loading import is_model_draft
+
+    if ("draft_quantize" in kw or "draft_dtype" in kw) and not is_model_draft(draft):
         raise ValueError("--draft-quantize / --draft-dtype need a draft model (--speculative-decoding with "
                          "--draft-model FOLDER or builtin)")
     return kw

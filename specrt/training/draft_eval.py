@@ -13,8 +13,7 @@ all accepted, so tau = 1 + sum_j acceptance_per_position[j] is the expected numb
 per target forward at K when chains start at every position. Greedy decoding starts them only
 after each step's bonus token, which lands more often in the stretches the draft gets wrong:
 ``decoding_tau`` walks the sequence that way (start at the prompt's end, advance by the accepted
-drafts + 1) and is what the engine's tokens per target forward come to (on SmolLM2's held-out
-templates: 1.76 against tau 1.93 at K=4). At temperature T, alpha = sum_v min(p_T, q_T) per step (teacher
+drafts + 1) and is what the engine's tokens per target forward come to. At temperature T, alpha = sum_v min(p_T, q_T) per step (teacher
 top-k renormalised at T) and the expected accepted length is sum_j prod_{i<=j} alpha_i.
 
 Step cost c = (draft forward, 1 token) / (target forward, 1 token) and verify overhead
