@@ -226,6 +226,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True when ``temperature`` is 0: argmax decoding, no randomness drawn."""
         return self.temperature == 0.0
 
 

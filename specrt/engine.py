@@ -127,6 +127,7 @@ class LLMEngine:
 
     @property
     def speculative(self) -> bool:
+        """True when the engine has a drafter (``draft`` was not None)."""
         return self.drafter is not None
 
     @property
@@ -175,15 +176,19 @@ class LLMEngine:
         return [r.request_id for r in reqs]
 
     def abort_request(self, request_id: str) -> None:
+        """Finish a queued or running request with ``finish_reason="abort"`` and free its KV blocks;
+        an unknown or already finished id is ignored."""
         with self.lock:
             req = self.scheduler.requests.get(request_id)
             if req is not None and not req.finished:
                 self._finish(req, "abort")
 
     def has_unfinished(self) -> bool:
+        """True while any request is waiting or running (``step()`` has work)."""
         return self.scheduler.has_unfinished()
 
     def num_free_blocks(self) -> int:
+        """KV-cache blocks on the free list now (what new requests can be given)."""
         return self.kv.num_free_blocks
 
     def reset_metrics(self) -> None:

@@ -170,6 +170,9 @@ class LLM:
             self.engine.abort_request(self._aborts.popleft())
 
     def stats(self) -> dict:
+        """A snapshot of the engine's counters: requests, tokens, tokens per target forward, acceptance
+        per draft position, tree nodes per step, and ``estimated_speedup`` (None until the cost
+        model has a plain-step time to divide by: ``warmup()`` calibrates it)."""
         return self.engine.metrics.snapshot()
 
     def warmup(self, num_requests: int = 4, max_tokens: int = 16, prompts: Sequence | None = None) -> None:

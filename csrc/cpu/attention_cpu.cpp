@@ -62,7 +62,7 @@ int detected_isa() {
 }
 
 // The level used unless a test caps it: 4 on AMD, whose vector shifts and ands issue beside the fmas
-// (Zen 4), 3 elsewhere (on Intel they share the fma ports; bench/README.md, paged attention).
+// (Zen 4), 3 elsewhere (on Intel they share the fma ports, and level 3 is faster there).
 int preferred_isa() {
   const int d = detected_isa();  // initialises the CPU model first
   return d == 4 && !__builtin_cpu_is("amd") ? 3 : d;

@@ -1,6 +1,6 @@
 // CPU kernels of the KV-cache ops: copy_blocks, copy_slots and write_kv
 // (docs/architecture.md section 2). All are plain byte copies; references in specrt/reference.py.
-// bindings.cpp has validated shapes, dtypes and mapping values.
+// kv_ops.cpp has checked shapes and dtypes (mapping values too when check_values is set).
 
 #include <cstring>
 #include <vector>

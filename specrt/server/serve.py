@@ -52,6 +52,7 @@ def _suffix_flags(draft: str | None, scoped: bool, history: int | None) -> str |
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``specrt serve`` command line: model, speculation, limits, auth and logging flags."""
     p = argparse.ArgumentParser(prog="specrt serve", description="OpenAI-compatible server for specrt.")
     p.add_argument("--target-model", required=True, help="HF model folder or 'builtin'")
     p.add_argument("--draft-model", default=None,
@@ -342,6 +343,8 @@ def _serve(app, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``specrt serve`` until SIGTERM/SIGINT, then drain; returns the exit code (2: bad flags or
+    a missing extra)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     missing = _missing_extras()
