@@ -20,11 +20,14 @@ class _Output:
 
 @dataclass
 class _Device:
-    """What the comparison asks of a mode's engine: where it runs and a metrics reset."""
+    """What the comparison asks of a mode's engine: where it runs, a metrics reset and a history reset."""
 
     device: torch.device
 
     def reset_metrics(self) -> None:
+        pass
+
+    def forget_outputs(self) -> None:
         pass
 
 

@@ -167,8 +167,9 @@ def _run_repeats(modes: dict, units: list, unit_tags: list, repeats: int, batche
     for rep in range(repeats):
         if before_repeat is not None:
             before_repeat(rep)
-        for m in names:
+        for m in names:      # no repeat drafts from an earlier repeat's answer to the same prompt
             modes[m][0].engine.reset_metrics()
+            modes[m][0].engine.forget_outputs()
         for u, unit in enumerate(units):
             order = list(names)
             random.Random(1000 * rep + u).shuffle(order)
@@ -238,7 +239,9 @@ def compare(modes: dict, prompts: list[list[int]], repeats: int, batched: bool =
     concurrency: all prompts are one unit served with at most that many in flight
     (``generate_concurrent``). tags: a request tag per prompt. whole_pass: batch 1, but the modes
     alternate whole passes over the prompts (one unit), not prompt by prompt. before_repeat(rep):
-    called before each repeat (untimed), e.g. to recalibrate."""
+    called before each repeat (untimed), e.g. to recalibrate. Each repeat starts with drafting's
+    history of earlier outputs emptied (``forget_outputs``): suffix drafting would otherwise draft
+    a repeated prompt from its own earlier answer."""
     batched = batched or bool(concurrency)
     if tags is not None and len(tags) != len(prompts):
         raise ValueError(f"tags: one per prompt ({len(prompts)}), got {len(tags)}")

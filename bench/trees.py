@@ -54,6 +54,11 @@ def modes_for(args, loader) -> dict:
             modes[f"{kind}_{n}x{d}"] = (llm(args.draft, spec), params)
     if args.default:
         modes["default"] = (llm(args.draft, SpecConfig(acceptance=args.acceptance, max_batch_size=batch)), params)
+    for d in args.defaults:
+        modes[f"default:{d}"] = (llm(d, SpecConfig(acceptance=args.acceptance, max_batch_size=batch)), params)
+    for lk in args.lookups:
+        spec = SpecConfig(acceptance=args.acceptance, max_batch_size=batch, lookup=None if lk == "none" else lk)
+        modes[f"default_lookup:{lk}"] = (llm(args.draft, spec), params)
     return modes
 
 
@@ -71,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="dynamic", help="tree kinds per NODESxDEPTH: dynamic (sized by the "
                     "planner, off where it does not pay) and/or fixed (always the whole budget)")
     ap.add_argument("--no-default", dest="default", action="store_false", help="skip the default engine")
+    ap.add_argument("--defaults", default="", help="more default engines in the same run, one per draft= value "
+                    "(comma-separated, e.g. 'suffix,smollm2-135m-draft+suffix'); mode 'default:DRAFT'")
+    ap.add_argument("--lookups", default="", help="the default engine again with other SpecConfig.lookup values "
+                    "(comma-separated: 'none', 'ngram', 'suffix:...'); mode 'default_lookup:VALUE'")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1, help="which held-out prompts")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -83,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args.chains = [int(k) for k in args.chains.split(",") if k]
     args.trees = parse_trees(args.trees)
     args.kinds = [k for k in args.kinds.split(",") if k]
+    args.defaults = [d for d in args.defaults.split(",") if d]
+    args.lookups = [x for x in args.lookups.split(",") if x]
     torch.set_num_threads(args.threads)
     loader = shared_loader({})
     modes = modes_for(args, loader)

@@ -334,6 +334,16 @@ class SpecConfig:
     prefill_chunk: the most prompt tokens a step feeds (specrt.prefill): a longer prompt is fed in
     chunks of this size over several steps while the other requests keep decoding; 0 feeds every
     prompt whole in its first step (a long one then stalls every other stream until it is done).
+
+    lookup: what drafts in front of a draft model (or self:N) where the request's history matches:
+    "suffix[:key=value,...]" (the default; earlier requests' outputs included), "ngram[:min[:max]]",
+    or None (the model alone). A ``draft="MODEL+..."`` string names its own lookup, which wins.
+    Ignored for drafters that are lookups themselves.
+
+    threads (CPU): the kernels' thread count; None takes torch's count when the process set one,
+    else the physical cores this process may run on (specrt.threads.available_cores).
+    adaptive_threads: time steps at half the count now and then and run at the faster (a core
+    taken by another process stalls every parallel loop at the full count); False pins it.
     """
 
     min_draft_length: int | None = None
@@ -357,6 +367,9 @@ class SpecConfig:
     max_tree_nodes: int = DEFAULT_TREE_NODES
     tree_branching: int = DEFAULT_TREE_BRANCHING
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    lookup: str | None = "suffix"
+    threads: int | None = None
+    adaptive_threads: bool = True
     extra: dict = field(default_factory=dict)
     # the serve flag's name for kv_cache_budget (str or number); None: not given
     kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
@@ -382,7 +395,14 @@ class SpecConfig:
         if self.acceptance_window is not None:
             _check_int("acceptance_window", self.acceptance_window, 1, MAX_ACCEPTANCE_WINDOW)
         self._resolve_applicable(d)
-        for name in ("overlap", "prefix_sharing"):
+        if self.lookup is not None and (not isinstance(self.lookup, str)
+                                        or self.lookup.split(":", 1)[0] not in ("suffix", "ngram")):
+            raise ValueError(f"lookup must be 'suffix[:key=value,...]', 'ngram[:min[:max]]' or None, "
+                             f"got {self.lookup!r:.60}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or not 1 <= self.threads <= 4096):
+            raise ValueError(f"threads must be an integer in [1, 4096] or None, got {self.threads!r:.60}")
+        for name in ("overlap", "prefix_sharing", "adaptive_threads"):
             _check_bool(name, getattr(self, name))
         if self.acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_METHODS}, got {self.acceptance!r:.60}")

@@ -43,6 +43,7 @@ from specrt.policy import CostModel, make_policy
 from specrt.overlap import Overlap, overlap_status
 from specrt.prefill import split_prefill
 from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
+from specrt.threads import ThreadGovernor, default_threads
 from specrt.verify import PromptRows, accept, build_verify_batch, feeds_context, path_rows, to_host
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class LLMEngine:
         settings = DraftSettings(self.vocab_size, self.eos_token_ids, self.spec.acceptance == "coupled", self.device,
                                  kv_window=window)
         self.drafter = make_drafter(draft, target_path, self.target, settings, loaded.draft_loader, dtype,
-                                    accept_head=self.spec.policy == "head")
+                                    accept_head=self.spec.policy == "head", lookup=self.spec.lookup)
         if loaded.draft_int8_activations and self.drafter is not None:
             use_int8_activations(getattr(self.drafter, "model", None))  # a quantized draft model's layers
         if self.drafter is not None and wrap_drafter is not None:
@@ -118,6 +119,9 @@ class LLMEngine:
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self.lock = threading.RLock()
+        self.threads = ThreadGovernor(self.spec.threads or default_threads(), self.spec.adaptive_threads) \
+            if self.device.type == "cpu" else None
+        self.metrics.info["threads"] = self.threads.current if self.threads is not None else None
         self._finished_pending: list[Request] = []
         self._health_checked = time.monotonic()
         # the speedup estimate's measured time is the whole step's: the bookkeeping after a step's
@@ -191,6 +195,13 @@ class LLMEngine:
         """KV-cache blocks on the free list now (what new requests can be given)."""
         return self.kv.num_free_blocks
 
+    def forget_outputs(self) -> None:
+        """Forget earlier requests' outputs that drafting reads (suffix drafting's global index),
+        e.g. between benchmark repeats of the same prompts; requests in flight keep their own."""
+        with self.lock:
+            if self.drafter is not None:
+                self.drafter.forget_outputs()
+
     def reset_metrics(self) -> None:
         """Start the acceptance statistics (``metrics``) afresh; the cost model is kept."""
         self.metrics = self.metrics.fresh()
@@ -206,7 +217,15 @@ class LLMEngine:
         ``forced_k`` (calibration): every request drafts that many, and the step is no
         acceptance evidence."""
         with self.lock:
-            return self._step(forced_k)
+            gov = self.threads
+            if gov is None or forced_k is not None or not self.scheduler.has_unfinished():
+                return self._step(forced_k)
+            gov.begin()
+            t0 = time.perf_counter()
+            outs = self._step(forced_k)
+            gov.end(time.perf_counter() - t0)
+            self.metrics.info["threads"] = gov.current
+            return outs
 
     def _step(self, forced_k: int | None) -> list[RequestOutput]:
         """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""

@@ -76,7 +76,8 @@ class LLMCache:
     tree-growing engine drafts its whole budget every step (tree="fixed") unless the test names
     a tree mode (the planner of tree="dynamic", the default, may switch a poor pair's drafting off).
     draft "model" is the pair's draft, "target" the target itself, "none" no draft; any other
-    value ("ngram", "self:1", a folder) goes to the LLM as is."""
+    value ("ngram", "self:1", a folder) goes to the LLM as is. No lookup goes in front of a model
+    unless the test names one (lookup=...)."""
 
     def __init__(self) -> None:
         self._llms: dict = {}
@@ -87,6 +88,7 @@ class LLMCache:
 
         if spec.get("policy", "fixed") in ("fixed", "auto") and not spec.get("overlap") and "tree" not in spec:
             spec = {**spec, "tree": "fixed"}   # tree steps always draft: identity tests are never vacuous
+        spec = {"lookup": None, **spec}        # the drafter's own drafts (the lookup in front: test_suffix_drafter)
         key = (draft, tuple(sorted(spec.items())))
         if key not in self._llms:
             tdir, ddir = pair

@@ -185,6 +185,9 @@ class _FakeLLM:
     def reset_metrics(self) -> None:
         pass
 
+    def forget_outputs(self) -> None:
+        pass
+
     def generate(self, prompts, params=None):
         return [type("Out", (), {"token_ids": [7]})() for _ in prompts]
 

@@ -280,7 +280,7 @@ def test_the_banned_sequence_test_has_power(pair, monkeypatch):
     """A verify whose rows ignore the drafts before them completes the word inside a step."""
     _forget_drafts_in_verify(monkeypatch)
     tdir, _ = pair
-    eng = specrt.LLM(target=str(tdir), draft=str(tdir), spec=SpecConfig(max_draft_length=4), seed=0,
+    eng = specrt.LLM(target=str(tdir), draft=str(tdir), spec=SpecConfig(max_draft_length=4, lookup=None), seed=0,
                      draft_quantize=None)
     _, ar, spec, word = _banned_bigram_case(pair, eng)
     assert spec != ar

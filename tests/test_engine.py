@@ -79,7 +79,7 @@ def test_lagging_draft_keeps_target_prefix_sharing(pair, ar_greedy):
     (its catch-up), decode exactly the autoregressive tokens, and after it the blocks hold the
     draft's KV too (a third request reuses them for both)."""
     tdir, ddir = pair
-    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="fixed"),
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="fixed", lookup=None),
                       seed=0)           # drafts every step once allowed (the planner may judge this pair not worth it)
     eng = llm_.engine
     seen = []
@@ -108,7 +108,7 @@ def test_requests_sharing_a_lagging_prefix_catch_up_together(pair, ar_greedy):
     those blocks in the same forward (the same slots, the same tokens). That must write each
     slot once, decode the autoregressive tokens, and never fail with a duplicate slot."""
     tdir, ddir = pair
-    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="fixed"),
+    llm_ = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="fixed", lookup=None),
                         seed=0)
     eng = llm_.engine
     plan = eng.policy.plan

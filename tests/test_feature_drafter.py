@@ -61,7 +61,8 @@ def llm(draft, **spec) -> specrt.LLM:
     key = (str(draft), tuple(sorted(spec.items())))
     if key not in _cache:
         _cache[key] = specrt.LLM(target="builtin", draft=None if draft is None else str(draft),
-                                 spec=SpecConfig(**spec), seed=0, draft_quantize=None)   # the float draft's bits
+                                 spec=SpecConfig(**{"lookup": None, **spec}), seed=0,
+                                 draft_quantize=None)   # the float draft's bits
     return _cache[key]
 
 
@@ -168,7 +169,7 @@ def _proposals(fdir, wrap=None, k: int = 2):
             return out
         drafter.propose = spy
         return drafter
-    eng = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=k, max_batch_size=1, tree="chain"),
+    eng = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=k, max_batch_size=1, tree="chain", lookup=None),
                      seed=0, wrap_drafter=record, draft_quantize=None)
     eng.generate(CODE[:3], GREEDY)
     return eng, seen
@@ -277,7 +278,8 @@ def test_greedy_equals_autoregressive(fdir, ar, k):
 def test_drafting_resumes_over_a_shared_prefix(fdir, ar):
     """A request reusing another's prefix blocks never saw their features (its target forward
     starts past them): those positions read zeros, drafting goes on, the output is exact."""
-    sp = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="chain"), seed=0)
+    sp = specrt.LLM(target="builtin", draft=str(fdir), spec=SpecConfig(max_draft_length=3, block_size=4, tree="chain", lookup=None),
+                     seed=0)
     eng = sp.engine
     seen = []
     alloc = eng.scheduler.try_allocate
@@ -303,7 +305,7 @@ def test_preemption_keeps_the_output_and_drafting_resumes(fdir, ar):
     from specrt.models.registry import resolve_model
 
     cfgs = [load_model(resolve_model("builtin", "target")).config, DraftModel.from_pretrained(fdir).lm_config]
-    spec = SpecConfig(max_draft_length=3, block_size=4, tree="chain", kv_cache_budget=40 * kv_bytes_per_block(cfgs, 4, torch.float32))
+    spec = SpecConfig(max_draft_length=3, block_size=4, tree="chain", lookup=None, kv_cache_budget=40 * kv_bytes_per_block(cfgs, 4, torch.float32))
     drafted_after = []
 
     def watch(drafter):

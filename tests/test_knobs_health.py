@@ -121,7 +121,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [40, 41, 42, 43, 44
 
 def test_engine_reports_health_and_an_estimate_after_calibration(pair, caplog):
     tdir, ddir = pair
-    llm = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=4, tree="chain"), seed=0,
+    llm = specrt.LLM(target=str(tdir), draft=str(ddir), spec=SpecConfig(max_draft_length=4, tree="chain", lookup=None), seed=0,
                      health=HealthRanges(min_steps=8, warn_every_s=0.0))   # chain: no planner's plain steps
     hot = [SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=i) for i in range(4)]
     llm.generate(PROMPTS, hot, tags=["hot"] * 4)
@@ -153,7 +153,7 @@ def _exported_series(pair) -> set[str]:
     from specrt.server import create_app
 
     tdir, ddir = pair
-    engine = LLMEngine(str(tdir), str(ddir), SpecConfig(max_draft_length=3, max_batch_size=4), device="cpu",
+    engine = LLMEngine(str(tdir), str(ddir), SpecConfig(max_draft_length=3, max_batch_size=4, lookup=None), device="cpu",
                        health=HealthRanges(min_steps=2))
     app = create_app(engine, warmup=True)
     with TestClient(app) as client:

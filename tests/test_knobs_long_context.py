@@ -91,7 +91,7 @@ def test_windowed_draft_keeps_the_output_exact(pair, draft):
     want_g, want_s = ar.generate(LONG, greedy), ar.generate(LONG, sampled)
     attended = {}
     for window in (0, 32):
-        spec = dict(max_draft_length=3, draft_kv_window=window, draft_kv_sinks=4, tree="chain")   # 3 rows a phase
+        spec = dict(max_draft_length=3, draft_kv_window=window, draft_kv_sinks=4, tree="chain", lookup=None)   # 3 rows a phase
         llm = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**spec), seed=0)
         assert [o.token_ids for o in llm.generate(LONG, greedy)] == [o.token_ids for o in want_g]
         coupled = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(acceptance="coupled", **spec), seed=0)

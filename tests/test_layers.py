@@ -20,6 +20,7 @@ LAYERS = [
     "specrt.ops",
     "specrt.structured",
     "specrt.config",
+    "specrt.threads",
     "specrt.health",
     "specrt.metrics",
     "specrt.controls",

@@ -70,7 +70,7 @@ def test_completion_usage_and_spec_stats(srv, reference):
     assert choice["finish_reason"] == "length"
     assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": REF_TOKENS, "total_tokens": 7 + REF_TOKENS}
     st = out["specrt"]
-    assert st["speculative"] is True and st["draft"] == "model" and st["tag"] == "default"
+    assert st["speculative"] is True and st["draft"] == "model+suffix" and st["tag"] == "default"
     assert st["emitted_tokens"] == REF_TOKENS and st["steps"] >= 1
     assert st["drafted_tokens"] >= st["accepted_tokens"] >= 0
     assert 0.0 <= st["draft_hit_rate"] <= 1.0 and st["tokens_per_target_forward"] >= 1.0

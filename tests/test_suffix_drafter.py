@@ -4,7 +4,7 @@
   of 1-6, and in front of a draft model;
 - coupled sampling equals plain sampling with the same seed;
 - the global index: a request that repeats an earlier one drafts from its output, nearly every
-  draft is accepted, and chains run past the tree's node budget;
+  draft is accepted, and chains run past the tree's node budget; forget_outputs empties it;
 - tenants: with scoping on, a request never drafts from another tenant's outputs;
 - per-source counts reach stats() and /metrics; bad settings name the field.
 """
@@ -90,6 +90,52 @@ def test_a_repeated_request_drafts_from_the_earlier_output(pair, ar):
     # the second run's 40 tokens come in far fewer target forwards; chains ran past the 4-node budget
     assert snap["total"]["steps"] <= 8 < before["total"]["steps"]
     assert snap["total"]["drafted_tokens"] / snap["total"]["steps"] > 4
+
+
+@pytest.mark.parametrize("lookup, name", [("suffix", "model+suffix"), ("suffix:min_match=2", "model+suffix"),
+                                          ("ngram", "model+ngram"), (None, "model")])
+def test_a_draft_model_named_alone_gets_the_configured_lookup(pair, ar, lookup, name):
+    eng = llm(pair, "MODEL", max_draft_length=4, lookup=lookup)
+    assert eng.engine.drafter.name == name
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar
+    if lookup is None:
+        assert "draft_sources" not in eng.stats()
+    assert llm(pair, "MODEL", max_draft_length=4).engine.drafter.name == "model+suffix"     # the default
+    assert llm(pair, "MODEL+ngram", lookup=lookup).engine.drafter.name == "model+ngram"      # the string wins
+    assert llm(pair, "suffix", lookup=lookup).engine.drafter.name == "suffix"                # no lookup on a lookup
+
+
+@pytest.mark.parametrize("bad", ["trie", "suffix:max_match=0", 3])
+def test_a_bad_lookup_names_the_field(pair, bad):
+    with pytest.raises(ValueError, match="lookup|max_match"):
+        llm(pair, "MODEL", lookup=bad)
+
+
+@pytest.mark.parametrize("draft", ["suffix", "MODEL"])
+def test_a_seeded_sampled_request_does_not_depend_on_earlier_outputs(pair, draft):
+    """Under rejection sampling a draft changes what a request samples: the global index (other
+    requests' outputs) must not draft its sampled rows, or a seed would not reproduce its output."""
+    eng = llm(pair, draft, tree="chain", max_draft_length=4)
+    params = SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=3)
+    runs = [tokens(eng.generate(PROMPTS, params)) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    assert eng.stats()["draft_sources"]["global"]["matches"] == 0
+    greedy = tokens(eng.generate(PROMPTS, GREEDY))                 # greedy rows still read it
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == greedy
+    assert eng.stats()["draft_sources"]["global"]["matches"] > 0
+
+
+@pytest.mark.parametrize("draft", ["suffix", "MODEL+suffix"])
+def test_forget_outputs_empties_the_global_index(pair, ar, draft):
+    eng = llm(pair, draft, tree="fixed", max_tree_nodes=4)
+    prompt = [[90, 3, 17, 33]]
+    first = tokens(eng.generate(prompt, GREEDY))
+    assert eng.stats()["draft_sources"]["global"]["index_tokens"] >= 40
+    eng.engine.forget_outputs()
+    eng.engine.reset_metrics()
+    assert eng.stats()["draft_sources"]["global"]["index_tokens"] == 0
+    assert tokens(eng.generate(prompt, GREEDY)) == first
+    assert eng.stats()["draft_sources"]["global"]["matches"] == 0     # nothing earlier to draft from
 
 
 def test_tenants_do_not_read_each_other(pair):

@@ -202,6 +202,10 @@ class Drafter:
     def on_finish(self, request) -> None:
         """The request ended (any reason): what the drafter learns from it (suffix drafting)."""
 
+    def forget_outputs(self) -> None:
+        """Drop what earlier requests wrote from the drafter's history (suffix drafting's global
+        index); what it learned about acceptance is kept."""
+
     def source_stats(self) -> dict | None:
         """Per draft source (suffix drafting: "request", "global"): lookups, matches, drafted,
         accepted; None when the drafter has one source."""

@@ -3,7 +3,8 @@
     None / "none"        autoregressive decoding (no drafter)
     "ngram[:min[:max]]"  prompt lookup (specrt.drafters.ngram)
     "suffix[:k=v,...]"   suffix drafting over the request's and earlier requests' tokens (specrt.drafters.suffix)
-    "MODEL+ngram" / "MODEL+suffix"   the lookup first, the model where nothing matched (specrt.drafters.lookup)
+    "MODEL+ngram" / "MODEL+suffix"   the lookup first, the model where nothing matched (specrt.drafters.lookup);
+                         a model named alone gets SpecConfig.lookup in front (suffix by default)
     "self:N"             the target's first N layers (specrt.drafters.self_draft)
     "builtin" / folder   a draft model (specrt.drafters.model)
     a draft folder       a reduced-vocabulary DraftModel (config.json architectures ["SpecrtDraftModel"],
@@ -30,26 +31,37 @@ from specrt.models.draft_model import is_draft_folder, load_draft_for_target
 
 
 def make_drafter(draft, target_path: Path, target, settings: DraftSettings, loader: ModelLoader, dtype,
-                 accept_head: bool = False) -> Drafter | None:
+                 accept_head: bool = False, lookup: str | None = None) -> Drafter | None:
     """The drafter for ``draft`` (None: no speculation). ``accept_head``: load the acceptance head
-    stored beside a draft model (policy="head"); other drafters cannot have one."""
+    stored beside a draft model (policy="head"); other drafters cannot have one. ``lookup``
+    (SpecConfig.lookup): the lookup in front of a model drafter when ``draft`` names none."""
     kind = draft if isinstance(draft, str) else None
-    if kind is not None and "+" in kind:
-        model_part, lookup = kind.rsplit("+", 1)
-        drafter = make_drafter(model_part, target_path, target, settings, loader, dtype, accept_head)
-        if not isinstance(drafter, ModelDrafter):
-            raise ValueError(f"draft={draft!r}: a lookup ('+ngram', '+suffix') goes in front of a draft model or "
-                             f"self:N, not {model_part!r}")
-        drafter.lookup = make_lookup(lookup)
+    named = kind is not None and "+" in kind
+    if named:
+        kind, lookup = kind.rsplit("+", 1)
+    drafter = _make_one(kind if named else draft, kind, target_path, target, settings, loader, dtype, accept_head)
+    if named and not isinstance(drafter, ModelDrafter):
+        raise ValueError(f"draft={draft!r}: a lookup ('+ngram', '+suffix') goes in front of a draft model or "
+                         f"self:N, not {kind!r}")
+    if lookup is not None and isinstance(drafter, ModelDrafter):
+        try:
+            drafter.lookup = make_lookup(lookup, settings.coupled)
+        except ValueError as e:
+            raise ValueError(str(e) if named else f"lookup: {e}") from None
         drafter.name = f"{drafter.name}+{lookup.split(':', 1)[0]}"
-        return drafter
+    return drafter
+
+
+def _make_one(draft, kind: str | None, target_path: Path, target, settings: DraftSettings, loader: ModelLoader,
+              dtype, accept_head: bool) -> Drafter | None:
+    """One drafter, no lookup in front."""
     if draft is None or kind == "none":
         drafter = None
     elif kind is not None and kind.startswith("ngram"):
         parts = kind.split(":")[1:]
         drafter = NgramDrafter(NgramProposer(*(int(p) for p in parts)) if parts else NgramProposer(), settings.device)
     elif kind is not None and kind.split(":", 1)[0] == "suffix":
-        drafter = SuffixDrafter(SuffixSettings.parse(kind), settings.device)
+        drafter = SuffixDrafter(SuffixSettings.parse(kind), settings.device, settings.coupled)
     elif kind is not None and kind.startswith("self:"):
         drafter = SelfDrafter(target, int(kind.split(":", 1)[1]), settings)
     else:

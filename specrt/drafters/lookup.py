@@ -46,6 +46,9 @@ class PromptLookup:
     def finished(self, request) -> None:
         """The request ended (suffix lookup indexes its output)."""
 
+    def forget_outputs(self) -> None:
+        """Drop earlier requests' outputs (suffix lookup's global index)."""
+
     def source_stats(self) -> dict | None:
         return None
 
@@ -67,8 +70,8 @@ class SuffixPromptLookup(PromptLookup):
     """Suffix drafting in front of a draft model (``draft="MODEL+suffix[:key=value,...]"``): each
     request's most probable suffix chain, when its history (or earlier outputs) matches."""
 
-    def __init__(self, spec: str):
-        self.suffix = SuffixLookup(SuffixSettings.parse(spec))
+    def __init__(self, spec: str, coupled: bool = False):
+        self.suffix = SuffixLookup(SuffixSettings.parse(spec), coupled)
 
     def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
         out = {}
@@ -90,14 +93,19 @@ class SuffixPromptLookup(PromptLookup):
     def finished(self, request) -> None:
         self.suffix.finished(request)
 
+    def forget_outputs(self) -> None:
+        self.suffix.forget_outputs()
+
     def source_stats(self) -> dict | None:
         return self.suffix.source_stats()
 
 
-def make_lookup(spec: str) -> PromptLookup:
-    """The lookup after '+' in ``draft="MODEL+..."``: "ngram[:min[:max]]" or "suffix[:key=value,...]"."""
+def make_lookup(spec: str, coupled: bool = False) -> PromptLookup:
+    """The lookup after '+' in ``draft="MODEL+..."``: "ngram[:min[:max]]" or "suffix[:key=value,...]".
+    ``coupled``: the engine's acceptance is "coupled" (suffix lookup may then draft sampled rows
+    from other requests' outputs)."""
     if spec.split(":", 1)[0] == "suffix":
-        return SuffixPromptLookup(spec)
+        return SuffixPromptLookup(spec, coupled)
     return PromptLookup.parse(spec)
 
 

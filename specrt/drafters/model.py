@@ -107,6 +107,10 @@ class ModelDrafter(Drafter):
         if self.lookup is not None:
             self.lookup.finished(request)
 
+    def forget_outputs(self) -> None:
+        if self.lookup is not None:
+            self.lookup.forget_outputs()
+
     def source_stats(self) -> dict | None:
         return self.lookup.source_stats() if self.lookup is not None else None
 
@@ -244,21 +248,21 @@ class ModelDrafter(Drafter):
         fed_until = list(cached)
         stopped = [False] * B
         used = 0
+        found = {}
+        if self.lookup is not None:        # requests whose context repeats earlier text: no forward, and
+            found = self.lookup.propose(batch, ks, stopped)    # a pre-draft is not used (as without overlap)
+            fill_lookup_rows(found, draft_ids, draft_probs)
+            for b, prop in found.items():
+                n_draft[b], stopped[b] = len(prop), True
         for b, r in enumerate(batch):      # requests whose overlap pre-draft is still valid
             pre = self._take_pre_draft(r)
-            n = self._pre_draft_use(r, pre, ks[b], pre_length)
+            n = None if b in found else self._pre_draft_use(r, pre, ks[b], pre_length)
             if n is not None:
                 used += 1
                 draft_ids[b, :n] = pre.draft_token_ids[:n]
                 if draft_probs is not None and pre.draft_probs is not None:
                     draft_probs[b, :n] = pre.draft_probs[:n]
                 n_draft[b], fed_until[b], stopped[b] = n, self.cached(r), True
-        found = {}
-        if self.lookup is not None:        # requests whose context repeats an earlier n-gram: no forward
-            found = self.lookup.propose(batch, ks, stopped)
-            fill_lookup_rows(found, draft_ids, draft_probs)
-            for b, prop in found.items():
-                n_draft[b], stopped[b] = len(prop), True
         cost = DraftCost()
         ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows

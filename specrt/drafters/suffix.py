@@ -4,7 +4,9 @@ Two suffix indexes (specrt._C.SuffixIndex, a suffix array in segments; its seman
 specrt.drafters.suffix_ref's):
   * per request, the prompt and the output so far (appended as the request decodes);
   * global, the outputs of earlier requests: bounded by ``global_tokens`` (oldest evicted first)
-    and, with scoping on, one per tenant (a request reads only its own tenant's history).
+    and, with scoping on, one per tenant (a request reads only its own tenant's history). Read for
+    greedy rows, and for sampled rows only under coupled acceptance: under rejection sampling a
+    draft changes which tokens a seeded request samples, and its output must not depend on others.
 
 Each step the context's longest suffix that occurred before (``max_match`` tokens at most) is
 looked up in both. The continuations of its occurrences form a tree whose nodes carry their
@@ -214,6 +216,9 @@ class SuffixIndexes:
             self.held_bytes = sum(idx.memory_bytes() for idx in self.by_tenant.values())
 
 
+PRIOR_RATES = DepthRates()     # never observes: the depth rates before evidence
+
+
 def span(s: SuffixSettings) -> int:
     """The longest pattern + continuation an index compares."""
     return s.max_match + max_depth(s, s.max_match, 1024)
@@ -227,9 +232,10 @@ class SuffixLookup:
     """Suffix drafts for a batch: the engine's SuffixDrafter, or the lookup in front of a model
     drafter (``draft="MODEL+suffix"``: the model drafts where nothing matched)."""
 
-    def __init__(self, settings: SuffixSettings):
+    def __init__(self, settings: SuffixSettings, coupled: bool = False):
         self.settings = settings
         self.indexes = SuffixIndexes(settings)
+        self.coupled = coupled     # acceptance="coupled": sampled output does not depend on the drafts
 
     def tree(self, r, cap: int, state_attr: str = "drafter_state") -> SuffixTree | None:
         """Request r's best suffix tree of at most ``cap`` levels (None: no match)."""
@@ -253,7 +259,12 @@ class SuffixLookup:
             return None
         tail = out[-s.max_match:] if len(out) >= s.max_match else (prompt + out)[-s.max_match:]
         best = None
-        for source, idx in (("request", st.index), ("global", self.indexes.index_for(getattr(r, "tenant", None), False))):
+        # what other requests left (their outputs, the depth rates learned from them) shapes drafts
+        # only where it cannot change what this request samples: greedy rows, or coupled acceptance
+        # (under rejection sampling a seeded request would otherwise depend on its neighbours)
+        shared = self.coupled or r.params.temperature == 0.0
+        glob = self.indexes.index_for(getattr(r, "tenant", None), False) if shared else None
+        for source, idx in (("request", st.index), ("global", glob)):
             if idx is None:
                 continue
             self.indexes.stats[source].lookups += 1
@@ -262,7 +273,7 @@ class SuffixLookup:
             if not toks:
                 continue
             tree = _shape(SuffixTree(toks, parents, probs, source, m), max_depth(s, m, cap),
-                          self.indexes.rates[source], s.min_prob)
+                          self.indexes.rates[source] if shared else PRIOR_RATES, s.min_prob)
             if tree.tokens and (best is None or tree.expected > best.expected):
                 best = tree
         if best is not None:
@@ -284,6 +295,11 @@ class SuffixLookup:
         """A request ended: its output joins the global index (its tenant's)."""
         if self.settings.global_tokens and r.finish_reason in ("stop", "length"):
             self.indexes.add_output(getattr(r, "tenant", None), list(r.output_token_ids))
+
+    def forget_outputs(self) -> None:
+        """Empty the global indexes (earlier requests' outputs); counts and depth rates stay."""
+        self.indexes.by_tenant.clear()
+        self.indexes.held_tokens = self.indexes.held_bytes = 0
 
     def source_stats(self) -> dict:
         out = {k: vars(v).copy() for k, v in self.indexes.stats.items()}
@@ -325,8 +341,8 @@ class SuffixDrafter(Drafter):
     grows_trees = True
     default_draft_length = DEFAULT_DRAFT_LENGTH
 
-    def __init__(self, settings: SuffixSettings, device):
-        self.lookup = SuffixLookup(settings)
+    def __init__(self, settings: SuffixSettings, device, coupled: bool = False):
+        self.lookup = SuffixLookup(settings, coupled)
         self.device = device
 
     def limit(self, batch, caps: list[int]) -> DraftLimits:
@@ -387,6 +403,9 @@ class SuffixDrafter(Drafter):
 
     def on_finish(self, request) -> None:
         self.lookup.finished(request)
+
+    def forget_outputs(self) -> None:
+        self.lookup.forget_outputs()
 
     def source_stats(self) -> dict:
         return self.lookup.source_stats()

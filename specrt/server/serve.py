@@ -151,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="on SIGTERM, seconds the requests in flight get to finish before they are failed")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the kernels (SpecConfig.threads; default: the physical cores this process "
+                        "may run on). The engine drops to half of them while another process starves the pool")
+    p.add_argument("--no-adaptive-threads", dest="adaptive_threads", action="store_false",
+                   help="always run at --threads (SpecConfig.adaptive_threads=False)")
+    p.add_argument("--lookup", default="suffix",
+                   help="what drafts in front of a draft model where the history matches (SpecConfig.lookup): "
+                        "'suffix[:key=value,...]' (default), 'ngram[:min[:max]]' or 'none'")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -185,7 +192,9 @@ def engine_kwargs(args) -> dict:
                       overlap=args.overlap, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,
                       admission=args.admission, draft_kv_window=args.draft_kv_window,
                       draft_kv_sinks=args.draft_kv_sinks, tree=args.tree, max_tree_nodes=args.max_tree_nodes,
-                      tree_branching=args.tree_branching,
+                      tree_branching=args.tree_branching, threads=args.threads,
+                      adaptive_threads=args.adaptive_threads,
+                      lookup=None if args.lookup in (None, "none") else args.lookup,
                       **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
                       **({} if args.kv_cache_memory is None else
                          {"kv_cache_budget": parse_memory(args.kv_cache_memory, "--kv-cache-memory")}))

@@ -1,0 +1,114 @@
+"""CPU threads for the kernels: a default count that fits the machine, and a governor that drops
+to fewer threads while the pool is starved.
+
+The kernels' parallel loops (at::parallel_for, OpenMP) split a range statically and join every
+thread at the end of each loop. When another process takes one of the cores, every join waits
+for the descheduled thread's next time slice, and a decode step of a few hundred loops slows
+down many times over. ``ThreadGovernor`` times the engine's steps at the configured count and,
+in short interleaved trials, at half of it, and runs at whichever is faster; trials back off
+while the choice holds, so an idle machine pays almost nothing for them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+import torch
+
+TRIAL_STEPS = 6           # steps per trial, alternating the two counts (3 each)
+FIRST_TRIAL_AFTER = 32    # steps before the first trial
+MAX_TRIAL_GAP = 4096      # steps between trials at most (the gap doubles while the choice holds)
+MARGIN = 0.10             # the other count must be this much faster to switch
+STALL_FACTOR = 4.0        # a step this many times the typical one starts a trial at once
+
+
+def available_cores() -> int:
+    """Physical cores this process may run on: the CPU affinity mask with SMT siblings counted
+    once, capped by a cgroup CPU quota (containers)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for c in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(c))
+    n = len(cores)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def default_threads() -> int:
+    """The count for ``SpecConfig(threads=None)``: torch's when the process set one (or
+    OMP_NUM_THREADS did), else ``available_cores()``. torch's own default counts logical CPUs,
+    so an unset count is one equal to the affinity mask's size."""
+    n = torch.get_num_threads()
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if os.environ.get("OMP_NUM_THREADS") or n != logical:
+        return n
+    return available_cores()
+
+
+@dataclass
+class ThreadGovernor:
+    """The thread count of each engine step. ``threads``: the most it uses; ``adaptive``: try half
+    of it now and then and keep the faster (off: always ``threads``)."""
+
+    threads: int
+    adaptive: bool = True
+    current: int = 0                  # the count steps run at outside trials
+    switches: int = 0                 # times the choice changed
+    _steps: int = 0
+    _next_trial: int = FIRST_TRIAL_AFTER
+    _gap: int = FIRST_TRIAL_AFTER
+    _trial: list[tuple[int, float]] = field(default_factory=list)   # (count, seconds) of the running trial
+    _typical: float = 0.0             # a running median-ish step time at ``current``
+    _this_step: int = 0
+
+    def __post_init__(self) -> None:
+        self.current = self.threads
+
+    @property
+    def low(self) -> int:
+        return max(1, self.threads // 2)
+
+    def begin(self) -> None:
+        """Before a step: set torch's thread count (on this thread) for it."""
+        n = self.current
+        if self.adaptive and self.threads > 1 and (self._trial or self._steps >= self._next_trial):
+            other = self.low if self.current == self.threads else self.threads
+            n = other if len(self._trial) % 2 == 0 else self.current
+        self._this_step = n
+        torch.set_num_threads(n)            # every step: a server's step thread keeps its own count
+
+    def end(self, seconds: float) -> None:
+        """After a step that took ``seconds``."""
+        if not self.adaptive or self.threads == 1:
+            return
+        self._steps += 1
+        in_trial = bool(self._trial) or self._steps > self._next_trial
+        if in_trial:
+            self._trial.append((self._this_step, seconds))
+            if len(self._trial) >= TRIAL_STEPS:
+                self._decide()
+            return
+        if self._typical and seconds > STALL_FACTOR * self._typical:
+            self._next_trial = self._steps       # a stall: try the other count on the next steps
+        self._typical = seconds if not self._typical else 0.9 * self._typical + 0.1 * seconds
+
+    def _decide(self) -> None:
+        other = self.low if self.current == self.threads else self.threads
+        t_cur = median(s for n, s in self._trial if n == self.current)
+        t_other = median(s for n, s in self._trial if n == other)
+        self._trial.clear()
+        if t_other < (1.0 - MARGIN) * t_cur:
+            self.current, self.switches, self._gap, self._typical = other, self.switches + 1, FIRST_TRIAL_AFTER, t_other
+        else:
+            self._gap = min(2 * self._gap, MAX_TRIAL_GAP)
+        self._next_trial = self._steps + self._gap

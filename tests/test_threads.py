@@ -1,0 +1,124 @@
+"""CPU threads (specrt.threads, SpecConfig.threads / adaptive_threads):
+
+- available_cores counts the affinity mask's physical cores; the default count respects a count
+  the process set;
+- the governor drops to half the threads when steps at the full count are slower (a starved
+  pool), comes back when they are faster again, backs its trials off while the choice holds, and
+  never moves with adaptive_threads=False or one thread;
+- an engine runs its steps at the governed count, and greedy output does not depend on the
+  thread count (1 and 2 threads, switching mid-request);
+- bad settings name the field.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_utils import make_pair, tokens  # noqa: E402
+
+import specrt  # noqa: E402
+from specrt import SamplingParams, SpecConfig  # noqa: E402
+from specrt.threads import FIRST_TRIAL_AFTER, MAX_TRIAL_GAP, ThreadGovernor, available_cores, default_threads  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def run(gov: ThreadGovernor, steps: int, cost) -> list[int]:
+    """Drive the governor: each step's seconds are cost(thread count); returns the counts used."""
+    used = []
+    for _ in range(steps):
+        gov.begin()
+        n = torch.get_num_threads()
+        used.append(n)
+        gov.end(cost(n))
+    return used
+
+
+def test_available_cores_is_within_the_affinity_mask():
+    n = available_cores()
+    assert 1 <= n <= len(os.sched_getaffinity(0))
+
+
+def test_the_default_keeps_a_count_the_process_set():
+    torch.set_num_threads(1)
+    assert default_threads() == 1
+    logical = len(os.sched_getaffinity(0))
+    if logical > 1:
+        torch.set_num_threads(logical)          # what torch starts with: the machine decides
+        assert default_threads() == available_cores()
+
+
+def test_a_starved_pool_drops_to_half_and_comes_back():
+    gov = ThreadGovernor(2)
+    starved = {2: 0.200, 1: 0.010}              # a busy process took a core: every join waits
+    used = run(gov, 200, lambda n: starved[n])
+    assert gov.current == 1 and gov.switches == 1
+    assert used[:FIRST_TRIAL_AFTER] == [2] * FIRST_TRIAL_AFTER
+    assert used[-50:].count(1) >= 45            # after the switch almost every step runs at 1
+    healthy = {2: 0.006, 1: 0.010}              # the other process ended
+    run(gov, 3000, lambda n: healthy[n])
+    assert gov.current == 2 and gov.switches == 2
+
+
+def test_trials_back_off_while_the_choice_holds():
+    gov = ThreadGovernor(2)
+    healthy = {2: 0.006, 1: 0.010}
+    used = run(gov, 20000, lambda n: healthy[n])
+    assert gov.current == 2 and gov.switches == 0
+    assert used.count(1) / len(used) < 0.01     # the trials' cost on an idle machine
+    assert gov._gap == MAX_TRIAL_GAP
+
+
+def test_a_stall_starts_a_trial_at_once():
+    gov = ThreadGovernor(2)
+    run(gov, 40, lambda n: 0.006)               # first trial done, the next one far away
+    steps, nxt = gov._steps, gov._next_trial
+    assert nxt - steps > 8
+    gov.begin()
+    gov.end(0.5)                                # a step 80x the typical one
+    assert gov._next_trial <= gov._steps
+
+
+@pytest.mark.parametrize("gov", [ThreadGovernor(2, adaptive=False), ThreadGovernor(1)])
+def test_pinned_counts_never_move(gov):
+    used = run(gov, 500, lambda n: 0.2 if n == gov.threads else 0.001)
+    assert set(used) == {gov.threads} and gov.switches == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "2"])
+def test_bad_thread_counts_name_the_field(bad):
+    with pytest.raises(ValueError, match="threads"):
+        SpecConfig(threads=bad)
+    with pytest.raises(ValueError, match="adaptive_threads"):
+        SpecConfig(adaptive_threads="yes")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("threads"))
+
+
+def test_greedy_output_does_not_depend_on_the_thread_count(pair):
+    prompts = [[5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17], [20, 21] * 6]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    for threads in (1, 2):
+        llm = specrt.LLM(target=str(pair[0]), draft=str(pair[1]), seed=0,
+                         spec=SpecConfig(threads=threads, adaptive_threads=False, max_draft_length=3))
+        outs[threads] = tokens(llm.generate(prompts, params))
+        assert torch.get_num_threads() == threads and llm.stats()["threads"] == threads
+    flip = specrt.LLM(target=str(pair[0]), draft=str(pair[1]), seed=0, spec=SpecConfig(threads=2, max_draft_length=3))
+    flip.engine.threads._next_trial = 0          # trial steps alternate 1 and 2 threads mid-request
+    assert tokens(flip.generate(prompts, params)) == outs[1] == outs[2]
+    plain = specrt.LLM(target=str(pair[0]), draft=None, seed=0, spec=SpecConfig(threads=1))
+    assert tokens(plain.generate(prompts, params)) == outs[1]
