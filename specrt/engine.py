@@ -221,9 +221,10 @@ class LLMEngine:
             if gov is None or forced_k is not None or not self.scheduler.has_unfinished():
                 return self._step(forced_k)
             gov.begin()
-            t0 = time.perf_counter()
+            t0, total = time.perf_counter(), self.metrics.total
+            emitted = total.emitted
             outs = self._step(forced_k)
-            gov.end(time.perf_counter() - t0)
+            gov.end(time.perf_counter() - t0, total.emitted - emitted)
             self.metrics.info["threads"] = gov.current
             return outs
 

@@ -5,8 +5,8 @@ The kernels' parallel loops (at::parallel_for, OpenMP) split a range statically 
 thread at the end of each loop. When another process takes one of the cores, every join waits
 for the descheduled thread's next time slice, and a decode step of a few hundred loops slows
 down many times over. ``ThreadGovernor`` times the engine's steps at the configured count and,
-in short interleaved trials, at half of it, and runs at whichever is faster; trials back off
-while the choice holds, so an idle machine pays almost nothing for them.
+in short interleaved trials, at half of it, and runs at whichever emits tokens faster; trials
+back off while the choice holds, so an idle machine pays almost nothing for them.
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ from statistics import median
 
 import torch
 
-TRIAL_STEPS = 6           # steps per trial, alternating the two counts (3 each)
-FIRST_TRIAL_AFTER = 32    # steps before the first trial
+TRIAL_STEPS = 8           # steps per trial, alternating the two counts (4 each)
+FIRST_TRIAL_AFTER = 8     # steps before the first trial
+GAP_AFTER_SWITCH = 64     # steps to the next trial after the choice changed
 MAX_TRIAL_GAP = 4096      # steps between trials at most (the gap doubles while the choice holds)
-MARGIN = 0.10             # the other count must be this much faster to switch
+MARGIN = 0.15             # the other count must take this much less time per token to switch
 STALL_FACTOR = 4.0        # a step this many times the typical one starts a trial at once
 
 
@@ -67,7 +68,7 @@ class ThreadGovernor:
     _steps: int = 0
     _next_trial: int = FIRST_TRIAL_AFTER
     _gap: int = FIRST_TRIAL_AFTER
-    _trial: list[tuple[int, float]] = field(default_factory=list)   # (count, seconds) of the running trial
+    _trial: list[tuple[int, float, int]] = field(default_factory=list)   # (count, seconds, tokens) of the trial
     _typical: float = 0.0             # a running median-ish step time at ``current``
     _this_step: int = 0
 
@@ -87,14 +88,14 @@ class ThreadGovernor:
         self._this_step = n
         torch.set_num_threads(n)            # every step: a server's step thread keeps its own count
 
-    def end(self, seconds: float) -> None:
-        """After a step that took ``seconds``."""
+    def end(self, seconds: float, tokens: int = 1) -> None:
+        """After a step that took ``seconds`` and emitted ``tokens``."""
         if not self.adaptive or self.threads == 1:
             return
         self._steps += 1
         in_trial = bool(self._trial) or self._steps > self._next_trial
         if in_trial:
-            self._trial.append((self._this_step, seconds))
+            self._trial.append((self._this_step, seconds, max(tokens, 0)))
             if len(self._trial) >= TRIAL_STEPS:
                 self._decide()
             return
@@ -102,13 +103,18 @@ class ThreadGovernor:
             self._next_trial = self._steps       # a stall: try the other count on the next steps
         self._typical = seconds if not self._typical else 0.9 * self._typical + 0.1 * seconds
 
+    def _per_token(self, n: int) -> float:
+        """Seconds per emitted token of the trial's steps at ``n`` threads."""
+        secs = sum(s for c, s, _ in self._trial if c == n)
+        return secs / max(1, sum(t for c, _, t in self._trial if c == n))
+
     def _decide(self) -> None:
         other = self.low if self.current == self.threads else self.threads
-        t_cur = median(s for n, s in self._trial if n == self.current)
-        t_other = median(s for n, s in self._trial if n == other)
+        t_cur, t_other = self._per_token(self.current), self._per_token(other)
+        typical = median(s for c, s, _ in self._trial if c == other)
         self._trial.clear()
         if t_other < (1.0 - MARGIN) * t_cur:
-            self.current, self.switches, self._gap, self._typical = other, self.switches + 1, FIRST_TRIAL_AFTER, t_other
+            self.current, self.switches, self._gap, self._typical = other, self.switches + 1, GAP_AFTER_SWITCH, typical
         else:
             self._gap = min(2 * self._gap, MAX_TRIAL_GAP)
         self._next_trial = self._steps + self._gap

@@ -59,10 +59,11 @@ def test_greedy_equals_autoregressive(pair, ar, tree):
 
 @pytest.mark.parametrize("draft", ["MODEL+suffix", "MODEL+suffix:min_match=2,max_match=8"])
 def test_in_front_of_a_draft_model(pair, ar, draft):
-    eng = llm(pair, draft, max_draft_length=4)
+    eng = llm(pair, draft, max_draft_length=4, tree="fixed")           # (drafts every step)
     assert eng.engine.spec.max_draft_length == 4 and eng.engine.drafter.name == "model+suffix"
-    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar
-    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar                  # the global index now matches too
+    assert tokens(eng.generate(PROMPTS, GREEDY)) == ar                  # 6 at once: mostly the model alone
+    for i in range(0, len(PROMPTS), 2):                                 # 2 at once: the lookup drafts,
+        assert tokens(eng.generate(PROMPTS[i:i + 2], GREEDY)) == ar[i:i + 2]   # the global index matches too
     sources = eng.stats()["draft_sources"]
     assert sources["request"]["matches"] > 0 and sources["global"]["matches"] > 0
 
@@ -90,6 +91,25 @@ def test_a_repeated_request_drafts_from_the_earlier_output(pair, ar):
     # the second run's 40 tokens come in far fewer target forwards; chains ran past the 4-node budget
     assert snap["total"]["steps"] <= 8 < before["total"]["steps"]
     assert snap["total"]["drafted_tokens"] / snap["total"]["steps"] > 4
+
+
+@pytest.mark.parametrize("spec", ["suffix", "ngram"])
+def test_the_lookup_stays_out_of_big_batches(spec):
+    from types import SimpleNamespace
+
+    from specrt.drafters.lookup import LOOKUP_MAX_BATCH, make_lookup
+
+    lookup = make_lookup(spec)
+
+    def req():
+        ids = [5, 6, 7, 5, 6, 7, 5, 6]
+        return SimpleNamespace(prompt_token_ids=ids, output_token_ids=[], token_ids=ids, params=GREEDY, tenant=None,
+                               lookup_state=None)
+
+    for n, drafts in ((1, True), (LOOKUP_MAX_BATCH, True), (LOOKUP_MAX_BATCH + 1, False), (8, False)):
+        batch = [req() for _ in range(n)]
+        found = lookup.propose(batch, [4] * n, [False] * n)
+        assert (sorted(found) == list(range(n))) if drafts else found == {}, (spec, n, found)
 
 
 @pytest.mark.parametrize("lookup, name", [("suffix", "model+suffix"), ("suffix:min_match=2", "model+suffix"),

@@ -25,6 +25,8 @@ import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
 from specrt.threads import FIRST_TRIAL_AFTER, MAX_TRIAL_GAP, ThreadGovernor, available_cores, default_threads  # noqa: E402
 
+TOKENS = [1, 3, 1, 2, 1, 1, 4, 1, 2]    # tokens per step, as a speculative engine emits them
+
 
 @pytest.fixture(autouse=True)
 def _keep_threads():
@@ -36,11 +38,12 @@ def _keep_threads():
 def run(gov: ThreadGovernor, steps: int, cost) -> list[int]:
     """Drive the governor: each step's seconds are cost(thread count); returns the counts used."""
     used = []
-    for _ in range(steps):
+    for i in range(steps):
         gov.begin()
         n = torch.get_num_threads()
         used.append(n)
-        gov.end(cost(n))
+        t = TOKENS[i % len(TOKENS)]
+        gov.end(cost(n) * t, t)              # a step's time grows with what it emits
     return used
 
 

@@ -19,6 +19,9 @@ from specrt.drafters.ngram import NgramProposer, NgramState
 from specrt.drafters.suffix import SuffixLookup, SuffixSettings
 
 DEFAULT_MIN_N = 2   # a single-token match is a weak signal; the model drafts those steps
+# the most requests a step may hold for the lookup to draft: past it every verify row costs nearly
+# its share of a compute-bound forward, and the lookup's weak matches cost more than they save
+LOOKUP_MAX_BATCH = 2
 
 
 class PromptLookup:
@@ -53,8 +56,11 @@ class PromptLookup:
         return None
 
     def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
-        """{row: tokens} for the rows (not ``skip``, K > 0) whose context has a match; 1..K tokens."""
+        """{row: tokens} for the rows (not ``skip``, K > 0) whose context has a match; 1..K tokens
+        (none for a batch of more than LOOKUP_MAX_BATCH requests)."""
         out = {}
+        if len(batch) > LOOKUP_MAX_BATCH:
+            return out
         for b, r in enumerate(batch):
             if skip[b] or ks[b] <= 0:
                 continue
@@ -75,8 +81,9 @@ class SuffixPromptLookup(PromptLookup):
 
     def propose(self, batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
         out = {}
-        for b, r in enumerate(batch):
-            tree = self.suffix.tree(r, 0 if skip[b] else ks[b], "lookup_state")
+        big = len(batch) > LOOKUP_MAX_BATCH
+        for b, r in enumerate(batch):      # (a big batch still indexes each request's new tokens)
+            tree = self.suffix.tree(r, 0 if skip[b] or big else ks[b], "lookup_state")
             chain = [] if tree is None else tree.chain(ks[b])
             if chain:
                 out[b] = chain
