@@ -317,6 +317,19 @@ class GrammarState:
             self.ahead.append(t)
         return True
 
+    def forced(self, output_token_ids: list[int], limit: int) -> list[int]:
+        """At most ``limit`` tokens the grammar forces right after the committed output (its
+        canonical tokenization of the bytes every continuation starts with; empty where the next
+        token is a choice or the grammar may end)."""
+        self.sync(output_token_ids)
+        self.seek([])
+        out = []
+        for t in self.matcher.compute_ff_tokens()[:limit]:
+            if t in self.grammar.eos_token_ids:
+                break
+            out.append(int(t))
+        return out
+
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """The allowed tokens after the current position into bitmask[row] ([W >= mask_width] int32 rows,
         C-contiguous)."""

@@ -23,6 +23,7 @@ GAP_AFTER_SWITCH = 64     # steps to the next trial after the choice changed
 MAX_TRIAL_GAP = 4096      # steps between trials at most (the gap doubles while the choice holds)
 MARGIN = 0.15             # the other count must take this much less time per token to switch
 STALL_FACTOR = 4.0        # a step this many times the typical one starts a trial at once
+TRIAL_ABORT = 2.0         # a trial step at the other count this many times the typical one ends the trial
 
 
 def available_cores() -> int:
@@ -96,7 +97,8 @@ class ThreadGovernor:
         in_trial = bool(self._trial) or self._steps > self._next_trial
         if in_trial:
             self._trial.append((self._this_step, seconds, max(tokens, 0)))
-            if len(self._trial) >= TRIAL_STEPS:
+            stalled = self._this_step != self.current and self._typical and seconds > TRIAL_ABORT * self._typical
+            if len(self._trial) >= TRIAL_STEPS or stalled:    # (a slow step at the other count ends it at once)
                 self._decide()
             return
         if self._typical and seconds > STALL_FACTOR * self._typical:
@@ -110,7 +112,9 @@ class ThreadGovernor:
 
     def _decide(self) -> None:
         other = self.low if self.current == self.threads else self.threads
-        t_cur, t_other = self._per_token(self.current), self._per_token(other)
+        t_other = self._per_token(other)
+        # (a trial ended by a stall before any step at the current count keeps the current count)
+        t_cur = self._per_token(self.current) if any(c == self.current for c, _, _ in self._trial) else 0.0
         typical = median(s for c, s, _ in self._trial if c == other)
         self._trial.clear()
         if t_other < (1.0 - MARGIN) * t_cur:

@@ -409,3 +409,29 @@ def test_bitmask_application_paths_agree(dtype, rows):
         want[r, torch.from_numpy(~bits[i])] = float("-inf")
     apply_bitmask(logits, rows, words)
     assert torch.equal(logits, want)
+
+
+def test_forced_tokens_are_drafted_without_the_model(pair, monkeypatch):
+    """Where the grammar forces the next tokens (here: all of them), they are the draft and no draft
+    forward runs; the output stays the autoregressive one. Without them the draft model runs a
+    forward per drafted token (under the mask it finds the same tokens: the test's power is in the
+    forwards)."""
+    import specrt.drafters.model as model_drafter
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured=Structured("regex", "abcdeabcdeabcde12"))
+    want = tokens(llm(pair, "none").generate([PROMPTS[0], PROMPTS[3]], params))
+
+    def run() -> tuple[float, int]:
+        eng = specrt.LLM(target=str(pair[0]), draft=str(pair[1]), seed=0,
+                         spec=SpecConfig(max_draft_length=4, tree="chain", lookup=None))
+        calls = []
+        forward = eng.engine.drafter._forward
+        monkeypatch.setattr(eng.engine.drafter, "_forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+        assert tokens(eng.generate([PROMPTS[0], PROMPTS[3]], params)) == want
+        return eng.stats()["total"]["tokens_per_target_forward"], len(calls)
+
+    tau, forwards = run()
+    monkeypatch.setattr(model_drafter, "forced_drafts", lambda batch, ks, skip: {})
+    tau_model, forwards_model = run()
+    assert tau >= 2.5 and tau >= tau_model - 0.01
+    assert forwards <= 2 < 6 <= forwards_model

@@ -125,3 +125,13 @@ def test_greedy_output_does_not_depend_on_the_thread_count(pair):
     assert tokens(flip.generate(prompts, params)) == outs[1] == outs[2]
     plain = specrt.LLM(target=str(pair[0]), draft=None, seed=0, spec=SpecConfig(threads=1))
     assert tokens(plain.generate(prompts, params)) == outs[1]
+
+
+def test_a_slow_trial_step_ends_the_trial():
+    gov = ThreadGovernor(2)
+    starved = {2: 0.200, 1: 0.010}
+    run(gov, 100, lambda n: starved[n])
+    assert gov.current == 1
+    used = run(gov, 5000, lambda n: starved[n])
+    assert gov.current == 1 and gov.switches == 1
+    assert used.count(2) <= 12                  # each trial stops after its first slow step at 2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from specrt.controls import control_state
 from specrt.drafters.ngram import NgramProposer, NgramState
 from specrt.drafters.suffix import SuffixLookup, SuffixSettings
 
@@ -105,6 +106,22 @@ class SuffixPromptLookup(PromptLookup):
 
     def source_stats(self) -> dict | None:
         return self.suffix.source_stats()
+
+
+def forced_drafts(batch, ks: list[int], skip: list[bool]) -> dict[int, list[int]]:
+    """{row: tokens} for structured-output rows (not ``skip``, K > 0) whose grammar forces the next
+    tokens (a JSON key, a closing brace): up to K of them drafted with no forward. A forced token
+    is not certain to be the target's (the mask may also allow a shorter token), so it is
+    verified like any draft; usually it is accepted."""
+    out = {}
+    for b, r in enumerate(batch):
+        if skip[b] or ks[b] <= 0 or r.params.structured is None:
+            continue
+        st = control_state(r)
+        toks = st.grammar.forced(r.output_token_ids, ks[b]) if st is not None and st.grammar is not None else []
+        if toks:
+            out[b] = toks
+    return out
 
 
 def make_lookup(spec: str, coupled: bool = False) -> PromptLookup:

@@ -20,7 +20,7 @@ from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, PreLength,
                                   StopRule)
-from specrt.drafters.lookup import PromptLookup, fill_lookup_rows
+from specrt.drafters.lookup import PromptLookup, fill_lookup_rows, forced_drafts
 from specrt.drafters.size import module_bytes
 from specrt.drafters.tree import draft_tree
 from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
@@ -248,12 +248,12 @@ class ModelDrafter(Drafter):
         fed_until = list(cached)
         stopped = [False] * B
         used = 0
-        found = {}
+        found = forced_drafts(batch, ks, stopped)    # what a grammar forces next: no forward
         if self.lookup is not None:        # requests whose context repeats earlier text: no forward, and
-            found = self.lookup.propose(batch, ks, stopped)    # a pre-draft is not used (as without overlap)
-            fill_lookup_rows(found, draft_ids, draft_probs)
-            for b, prop in found.items():
-                n_draft[b], stopped[b] = len(prop), True
+            found.update(self.lookup.propose(batch, ks, [s or b in found for b, s in enumerate(stopped)]))
+        fill_lookup_rows(found, draft_ids, draft_probs)    # (a pre-draft is not used, as without overlap)
+        for b, prop in found.items():
+            n_draft[b], stopped[b] = len(prop), True
         for b, r in enumerate(batch):      # requests whose overlap pre-draft is still valid
             pre = self._take_pre_draft(r)
             n = None if b in found else self._pre_draft_use(r, pre, ks[b], pre_length)
