@@ -51,9 +51,11 @@ def looped(pair):
 
 
 class _Counter:
-    """Counts the rows the lookup drafted and the rows the model drafted."""
+    """Counts the rows the lookup drafted and the rows the model drafted (the lookup drafts in
+    batches of any size here: lookup and model rows meet in one step)."""
 
     def __init__(self, monkeypatch):
+        monkeypatch.setattr(lookup_mod, "LOOKUP_MAX_BATCH", 1 << 20)
         self.lookup = self.model = 0
         propose = lookup_mod.PromptLookup.propose
         counter = self
