@@ -15,12 +15,15 @@ model's autoregressive step time for the same batch (or, before it has one, the 
 time of a step of as many rows as requests; a running average of the ratios). Below
 ``OFF_BELOW`` drafting stops for ``OFF_STEPS`` steps, then drafts for ``TRIAL_STEPS`` steps and
 stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
-pays the draft's catch-up over everything decoded while it was off). Every ``PROBE_EVERY`` steps
-``PROBE_STEPS`` plain steps keep the autoregressive time measured on this machine as it is now.
+pays the draft's catch-up over everything decoded while it was off). Each failed trial doubles
+the off period (up to ``MAX_OFF_STEPS``); one that pays resets it: where drafting never pays (a
+large batch on one core) the trials' cost falls from a quarter of the steps to a few percent.
+Every ``PROBE_EVERY`` steps ``PROBE_STEPS`` plain steps keep the autoregressive time measured on
+this machine as it is now.
 A step whose first node cannot repay its verify row and a draft level (their costs against the
 drafts accepted per request per tree step so far) is plain without asking the draft at all: a
 large batch on a compute-bound device, where each extra row costs nearly a request's whole share.
-After ``OFF_STEPS`` such steps in a row a trial drafts again and measures that gain anew.
+After an off period of such steps in a row a trial drafts again and measures that gain anew.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 
 PROBE_EVERY = 64          # steps between plain probes
 PROBE_STEPS = 2           # a steady plain sample needs a plain step before it
-OFF_STEPS = 48            # plain steps before a trial while drafting is off
+OFF_STEPS = 48            # plain steps before a trial while drafting is off ...
+MAX_OFF_STEPS = 768       # ... doubling after each failed trial up to this
 TRIAL_STEPS = 16          # tree steps a trial averages
 OFF_BELOW = 0.97          # running speedup under which drafting switches off ...
 ON_ABOVE = 1.02           # ... and the trial average over which it switches back on
@@ -97,6 +101,7 @@ class TreePlanner:
         self._since_probe = 0
         self._probe_left = 0
         self._off_left = 0                # plain steps left before the next trial
+        self._off_steps = OFF_STEPS       # the off period (doubles while trials fail)
         self._trial: list[float] | None = None   # a trial's step ratios so far (None: no trial)
         self._blocked = 0                 # steps in a row the first-node rule kept plain
 
@@ -107,9 +112,9 @@ class TreePlanner:
         if draft and self.adaptive and self._trial is None and rows and rows[0] + level >= self.gain:
             # not even the first node repays its row and a draft level (a large batch on a compute-bound
             # device): no draft forward at all. The gain is measured on drafted steps only, so after
-            # OFF_STEPS such steps a trial drafts again (else one bad stretch would stop drafting for good)
+            # an off period of such steps a trial drafts again (else one bad stretch would stop drafting for good)
             self._blocked += 1
-            if self._blocked < OFF_STEPS:
+            if self._blocked < self._off_steps:
                 draft = False
             else:
                 self._blocked, self._trial = 0, []
@@ -177,8 +182,9 @@ class TreePlanner:
                 mean = sum(self._trial) / len(self._trial)
                 self._trial = None
                 self.on, self.speedup = mean > ON_ABOVE, mean
-                self._off_left = 0 if self.on else OFF_STEPS
+                self._off_steps = OFF_STEPS if self.on else min(2 * self._off_steps, MAX_OFF_STEPS)
+                self._off_left = 0 if self.on else self._off_steps
             return
         self.speedup += SPEED_AVERAGE * (ratio - self.speedup)
         if self.on and self.speedup < OFF_BELOW:
-            self.on, self._off_left = False, OFF_STEPS
+            self.on, self._off_left = False, self._off_steps
