@@ -370,7 +370,6 @@ class SpecConfig:
     lookup: str | None = "suffix"
     threads: int | None = None
     adaptive_threads: bool = True
-    extra: dict = field(default_factory=dict)
     # the serve flag's name for kv_cache_budget (str or number); None: not given
     kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
     # whether max_draft_length was named (else the policy's default, which a drafter may replace:
@@ -425,8 +424,6 @@ class SpecConfig:
         if self.tree in ("dynamic", "fixed") and self.policy != "fixed":
             raise ValueError(f"tree={self.tree!r} grows trees of up to max_tree_nodes nodes under policy='fixed', got "
                              f"policy={self.policy!r}: use tree='chain' with that policy")
-        if not isinstance(self.extra, dict):
-            raise ValueError(f"extra must be a dict, got {type(self.extra).__name__}")
 
     def _resolve_policy(self) -> None:
         a = self.adaptive_enabled

@@ -23,7 +23,7 @@ NAN, INF = float("nan"), float("inf")
     ("max_batch_size", 0), ("max_batch_size", 2 ** 31), ("block_size", 0), ("block_size", 2 ** 20),
     ("kv_cache_budget", 0), ("kv_cache_budget", -1), ("kv_cache_budget", NAN), ("kv_cache_budget", INF),
     ("kv_cache_budget", 1.5), ("kv_cache_budget", True), ("kv_cache_budget", 2 ** 63),
-    ("extra", []), ("extra", None),
+    ("lookup", "trie"), ("lookup", 3), ("threads", 0), ("threads", 1.5), ("adaptive_threads", "yes"),
 ])
 def test_spec_config_rejects_bad_fields_naming_them(field, value):
     with pytest.raises(ValueError, match=field):
