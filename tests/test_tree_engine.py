@@ -229,7 +229,7 @@ def test_planner_switches_off_and_tries_again():
     plain = sum(not p.plan(CostModel(), 1, 1, 10, 4, 8).draft for _ in range(2 * PROBE_EVERY))
     assert plain >= 2                    # plain probes keep the autoregressive time measured
     fixed = TreePlanner(adaptive=False)
-    fixed.on = False
+    fixed.switch(1).on = False
     assert all(fixed.plan(None, 1, 1, 10, 4, 8).draft for _ in range(100))
 
 
@@ -294,4 +294,25 @@ def test_failed_trials_back_off_and_a_paying_one_resets():
     while not p.plan(None, 1, 1, 10, 4, 8).draft:
         pass
     _observe(p, 1.5, TRIAL_STEPS)        # this trial pays: on, and the off period is short again
-    assert p.on and p._off_steps == OFF_STEPS
+    assert p.on and p.switch(1).off_steps == OFF_STEPS
+
+
+def test_on_and_off_are_kept_per_load():
+    """Drafting that pays for one request and not for eight: each load keeps its own decision, so a
+    batch of eight does not inherit one request's 'on' (nor one request the batch's 'off')."""
+    from specrt.policy.tree import OFF_BELOW, TreePlanner, load_bucket
+
+    assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 2, 3, 3, 4, 4, 5, 6]
+    p = TreePlanner()
+
+    def step(batch: int, ratio: float) -> None:
+        p.plan(None, batch, batch, 10 * batch, 4, 8)
+        p.observe(1.0, 1, batch, step_s=0.1 / ratio, verify_s=0.05, rows=2 * batch, plain_s=0.1, batch_size=batch,
+                  drafted=True, fed_context=False)
+
+    for _ in range(80):
+        step(1, 1.4)
+        step(8, 0.6)
+    assert p.switch(1).on and p.switch(1).speedup > 1.2
+    assert not p.switch(8).on and p.switch(8).speedup < OFF_BELOW
+    assert p.plan(None, 1, 1, 10, 4, 8).draft and not p.plan(None, 8, 8, 80, 4, 8).draft

@@ -10,9 +10,11 @@ keeps the N best nodes that maximise (1 + expected accepted) / (1 + cost of N ro
 relative to the step's time per request. A tree grows a level deeper only for requests whose
 best newest node's calibrated probability repays a draft level and a verify row.
 
-On/off. Drafting must beat plain decoding: every tree step's speed is compared with the cost
-model's autoregressive step time for the same batch (or, before it has one, the verify curve's
-time of a step of as many rows as requests; a running average of the ratios). Below
+On/off, kept per load (``load_bucket``: 1, 2, 3-4, 5-8, ... requests in the step, since drafting
+may pay for one request and not for eight). Drafting must beat plain decoding: every tree step's
+speed is compared with the cost model's autoregressive step time for the same batch (or, before it
+has one, the verify curve's time of a step of as many rows as requests; a running average of the
+ratios). Below
 ``OFF_BELOW`` drafting stops for ``OFF_STEPS`` steps, then drafts for ``TRIAL_STEPS`` steps and
 stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
 pays the draft's catch-up over everything decoded while it was off). Each failed trial doubles
@@ -88,56 +90,87 @@ class VerifyCurve:
         return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
 
 
+def load_bucket(batch_size: int) -> int:
+    """The load a step's on/off decision is kept for: 1, 2, 3-4, 5-8, 9-16, ... requests."""
+    return (max(1, batch_size) - 1).bit_length() + 1
+
+
+@dataclass
+class LoadSwitch:
+    """Whether drafting pays at one load (a bucket of batch sizes): drafting may pay for one request
+    and not for eight on the same machine, and the load moves faster than a running average."""
+
+    speedup: float = 1.0              # running average of tree steps' speed over plain steps'
+    on: bool = True
+    off_left: int = 0                 # plain steps left before the next trial
+    off_steps: int = OFF_STEPS        # the off period (doubles while trials fail)
+    trial: list[float] | None = None  # a trial's step ratios so far (None: no trial)
+    blocked: int = 0                  # steps in a row the first-node rule kept plain
+
+
 class TreePlanner:
     """Per engine; the engine calls ``plan`` before drafting and ``observe`` after the commit."""
 
     def __init__(self, adaptive: bool = True):
         self.adaptive = adaptive          # False: every step drafts (tree="fixed")
         self.calibration = 1.0
-        self.speedup = 1.0                # running average of tree steps' speed over plain steps'
         self.gain = 1.0                   # running average of drafts accepted per request per tree step
-        self.on = True
         self.curve = VerifyCurve()
+        self.switches: dict[int, LoadSwitch] = {}   # load_bucket -> its on/off state
+        self._load = 1                    # the bucket of the step planned last
         self._since_probe = 0
         self._probe_left = 0
-        self._off_left = 0                # plain steps left before the next trial
-        self._off_steps = OFF_STEPS       # the off period (doubles while trials fail)
-        self._trial: list[float] | None = None   # a trial's step ratios so far (None: no trial)
-        self._blocked = 0                 # steps in a row the first-node rule kept plain
+
+    def switch(self, batch_size: int | None = None) -> LoadSwitch:
+        """The on/off state at ``batch_size``'s load (None: the last planned step's)."""
+        key = self._load if batch_size is None else load_bucket(batch_size)
+        return self.switches.setdefault(key, LoadSwitch())
+
+    @property
+    def on(self) -> bool:
+        """Whether drafting is on at the last planned step's load."""
+        return self.switch().on
+
+    @property
+    def speedup(self) -> float:
+        """The running speedup of tree steps at the last planned step's load."""
+        return self.switch().speedup
 
     def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int, max_nodes: int) -> TreeStep:
         """``tokens`` / ``context``: what a plain step over the batch would feed and attend."""
+        self._load = load_bucket(batch_size)
+        sw = self.switch()
         rows, level = self._costs(costs, batch_size, tokens, context, depth, max_nodes)
-        draft = self._draft_now(costs)
-        if draft and self.adaptive and self._trial is None and rows and rows[0] + level >= self.gain:
+        draft = self._draft_now(costs, sw)
+        if draft and self.adaptive and sw.trial is None and rows and rows[0] + level >= self.gain:
             # not even the first node repays its row and a draft level (a large batch on a compute-bound
             # device): no draft forward at all. The gain is measured on drafted steps only, so after
             # an off period of such steps a trial drafts again (else one bad stretch would stop drafting for good)
-            self._blocked += 1
-            if self._blocked < self._off_steps:
+            sw.blocked += 1
+            if sw.blocked < sw.off_steps:
                 draft = False
             else:
-                self._blocked, self._trial = 0, []
+                sw.blocked, sw.trial = 0, []
         elif draft:
-            self._blocked = 0
+            sw.blocked = 0
         return TreeStep(draft, rows, level, self.calibration)
 
-    def _draft_now(self, costs) -> bool:
+    def _draft_now(self, costs, sw: LoadSwitch) -> bool:
         if not self.adaptive:
             return True
         self._since_probe += 1
-        if self._probe_left > 0 or (self._since_probe >= PROBE_EVERY and costs is not None and self.on):
+        if self._probe_left > 0 or (self._since_probe >= PROBE_EVERY and costs is not None and sw.on):
             if self._probe_left == 0:
                 self._probe_left = PROBE_STEPS
             self._probe_left -= 1
             self._since_probe = 0
             return False
-        if self.on or self._trial is not None:
+        if sw.on or sw.trial is not None:
             return True
-        self._off_left -= 1
-        if self._off_left <= 0:
-            self._trial = []
-        return self._trial is not None
+        sw.off_left -= 1
+        if sw.off_left <= 0:
+            sw.trial = []
+        return sw.trial is not None
 
     def _costs(self, costs, batch_size: int, tokens: int, context: int, depth: int,
                max_nodes: int) -> tuple[list[float], float]:
@@ -176,15 +209,16 @@ class TreePlanner:
         if plain_s is None or step_s <= 0:
             return
         ratio = emitted * plain_s / (batch_size * step_s)
-        if self._trial is not None:
-            self._trial.append(ratio)
-            if len(self._trial) >= TRIAL_STEPS:
-                mean = sum(self._trial) / len(self._trial)
-                self._trial = None
-                self.on, self.speedup = mean > ON_ABOVE, mean
-                self._off_steps = OFF_STEPS if self.on else min(2 * self._off_steps, MAX_OFF_STEPS)
-                self._off_left = 0 if self.on else self._off_steps
+        sw = self.switch(batch_size)
+        if sw.trial is not None:
+            sw.trial.append(ratio)
+            if len(sw.trial) >= TRIAL_STEPS:
+                mean = sum(sw.trial) / len(sw.trial)
+                sw.trial = None
+                sw.on, sw.speedup = mean > ON_ABOVE, mean
+                sw.off_steps = OFF_STEPS if sw.on else min(2 * sw.off_steps, MAX_OFF_STEPS)
+                sw.off_left = 0 if sw.on else sw.off_steps
             return
-        self.speedup += SPEED_AVERAGE * (ratio - self.speedup)
-        if self.on and self.speedup < OFF_BELOW:
-            self.on, self._off_left = False, self._off_steps
+        sw.speedup += SPEED_AVERAGE * (ratio - sw.speedup)
+        if sw.on and sw.speedup < OFF_BELOW:
+            sw.on, sw.off_left = False, sw.off_steps
