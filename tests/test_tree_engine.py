@@ -274,23 +274,24 @@ def test_failed_trials_back_off_and_a_paying_one_resets():
     """Where drafting never pays, each failed trial doubles the plain stretch before the next (a
     trial every 48 steps cost a batch of 8 on one core a quarter of its steps); a trial that pays
     switches drafting on and the next off period starts short again."""
-    from specrt.policy.tree import MAX_OFF_STEPS, OFF_STEPS, TRIAL_STEPS, TreePlanner
+    from specrt.policy.tree import MAX_OFF_STEPS, OFF_STEPS, TRIAL_CHECK, TRIAL_STEPS, TreePlanner
 
     p = TreePlanner()
     _observe(p, 0.5, 80)                 # off
-    gaps, plain = [], 0
+    gaps, trials, plain, run = [], [], 0, 0
     for _ in range(6 * MAX_OFF_STEPS):
         if p.plan(None, 1, 1, 10, 4, 8).draft:
             if plain:
                 gaps.append(plain)
-            plain = 0
+            plain, run = 0, run + 1
             _observe(p, 0.5, 1)          # every trial step at half the plain speed
         else:
-            plain += 1
+            if run:
+                trials.append(run)
+            plain, run = plain + 1, 0
     assert gaps[:4] == [OFF_STEPS - 1, 2 * OFF_STEPS - 1, 4 * OFF_STEPS - 1, 8 * OFF_STEPS - 1]
     assert max(gaps) == MAX_OFF_STEPS - 1
-    drafted = 6 * MAX_OFF_STEPS - sum(gaps) - plain
-    assert drafted <= TRIAL_STEPS * (len(gaps) + 1)
+    assert set(trials) == {TRIAL_CHECK + 1} and TRIAL_CHECK + 1 < TRIAL_STEPS   # hopeless trials end early
     while not p.plan(None, 1, 1, 10, 4, 8).draft:
         pass
     _observe(p, 1.5, TRIAL_STEPS)        # this trial pays: on, and the off period is short again

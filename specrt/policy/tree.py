@@ -17,7 +17,8 @@ has one, the verify curve's time of a step of as many rows as requests; a runnin
 ratios). Below
 ``OFF_BELOW`` drafting stops for ``OFF_STEPS`` steps, then drafts for ``TRIAL_STEPS`` steps and
 stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
-pays the draft's catch-up over everything decoded while it was off). Each failed trial doubles
+pays the draft's catch-up over everything decoded while it was off; one whose later steps are
+clearly slower than plain ones ends after ``TRIAL_CHECK`` of them). Each failed trial doubles
 the off period (up to ``MAX_OFF_STEPS``); one that pays resets it: where drafting never pays (a
 large batch on one core) the trials' cost falls from a quarter of the steps to a few percent.
 Every ``PROBE_EVERY`` steps ``PROBE_STEPS`` plain steps keep the autoregressive time measured on
@@ -35,7 +36,9 @@ PROBE_EVERY = 64          # steps between plain probes
 PROBE_STEPS = 2           # a steady plain sample needs a plain step before it
 OFF_STEPS = 48            # plain steps before a trial while drafting is off ...
 MAX_OFF_STEPS = 768       # ... doubling after each failed trial up to this
-TRIAL_STEPS = 16          # tree steps a trial averages
+TRIAL_STEPS = 16          # tree steps a trial averages ...
+TRIAL_CHECK = 5           # ... unless the steps after its first (the catch-up) are this many
+TRIAL_GIVE_UP = 0.85      # ... and average below this: it ends there as failed
 OFF_BELOW = 0.97          # running speedup under which drafting switches off ...
 ON_ABOVE = 1.02           # ... and the trial average over which it switches back on
 AVERAGE = 0.1             # weight of the newest step in the calibration and verify-curve averages
@@ -212,7 +215,9 @@ class TreePlanner:
         sw = self.switch(batch_size)
         if sw.trial is not None:
             sw.trial.append(ratio)
-            if len(sw.trial) >= TRIAL_STEPS:
+            later = sw.trial[1:]
+            hopeless = len(later) >= TRIAL_CHECK and sum(later) / len(later) < TRIAL_GIVE_UP
+            if len(sw.trial) >= TRIAL_STEPS or hopeless:
                 mean = sum(sw.trial) / len(sw.trial)
                 sw.trial = None
                 sw.on, sw.speedup = mean > ON_ABOVE, mean
