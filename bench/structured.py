@@ -157,7 +157,9 @@ def generate(args) -> dict:
 
     store: dict = {}
     loader = shared_loader(store)
-    spec = lambda k: SpecConfig(max_draft_length=k, policy="fixed", tree="chain")   # noqa: E731
+    # the draft model's chains alone (no suffix lookup: the schema and free modes share an engine,
+    # and one would draft from the other's answer to the same prompt)
+    spec = lambda k: SpecConfig(max_draft_length=k, policy="fixed", tree="chain", lookup=None)   # noqa: E731
     ar = LLM(target=args.target, draft=None, spec=spec(1), device="cpu", dtype=args.dtype, model_loader=loader)
     engines = {"ar": ar}
     for k in args.ks:
@@ -189,6 +191,8 @@ def generate(args) -> dict:
     toks = {m: [0] * args.repeats for m in modes}
     outs: dict = {m: [None] * len(cases) for m in modes}
     for rep in range(args.repeats):
+        for llm in engines.values():
+            llm.engine.forget_outputs()
         for i in range(len(cases)):
             order = list(modes)
             random.Random(1000 * rep + i).shuffle(order)
