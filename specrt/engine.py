@@ -293,7 +293,8 @@ class LLMEngine:
                                          logits_indices=vb.logits_indices[:len(vb.row_request)] if head is not None
                                          else vb.logits_indices, all_hidden=self._wants_hidden or head is not None,
                                          hidden_layers=self._hidden_layers)  # [R, V]
-            prompt = PromptRows.take(vb, hidden, head) if head is not None else None
+            prompt = PromptRows.take(vb, hidden, head, PromptRows.final_columns(self.target, self._hidden_layers)) \
+                if head is not None else None
             hidden = hidden if self._wants_hidden else None
             verified = accept(vb, logits, self._acceptance(), self.eos_token_ids, prompt)      # [B, K+1], [B]
             if hidden is not None:                       # [T, H]: a feature drafter reads every fed row

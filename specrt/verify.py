@@ -104,19 +104,34 @@ class PromptRows:
         self.hidden, self.head = hidden, head
 
     @staticmethod
-    def head_of(vb: VerifyBatch, target, hidden_layers) -> torch.nn.Module | None:
+    def final_columns(target, hidden_layers) -> slice | None:
+        """Where the final-normed state sits in the forward's hidden: all of it (no
+        ``hidden_layers``), its block of the fused layer features (an EAGLE-3 drafter's list names
+        the final norm, index num_layers), or None (the features leave it out)."""
+        if hidden_layers is None:
+            return slice(None)
+        cfg, layers = target.config, [int(i) for i in hidden_layers]
+        if cfg.num_layers not in layers:
+            return None
+        j = layers.index(cfg.num_layers)
+        return slice(j * cfg.hidden_size, (j + 1) * cfg.hidden_size)
+
+    @classmethod
+    def head_of(cls, vb: VerifyBatch, target, hidden_layers) -> torch.nn.Module | None:
         """The target's LM head if this step's prompt rows are to be scored from their hidden
-        states, else None (no prompt rows; a target without one; the forward returns fused layer
-        features instead of the final-normed state: the prompt rows' logits come from the forward)."""
+        states, else None (no prompt rows; a target without one; fused layer features without the
+        final-normed state: the prompt rows' logits then come from the forward)."""
         head = getattr(target, "lm_head", None)
-        if not vb.prompt_rows or hidden_layers is not None or not isinstance(head, torch.nn.Module):
+        if not vb.prompt_rows or not isinstance(head, torch.nn.Module) or \
+                cls.final_columns(target, hidden_layers) is None:
             return None
         return head
 
     @classmethod
-    def take(cls, vb: VerifyBatch, every_hidden: torch.Tensor, head) -> "PromptRows":
-        """From the forward's final-normed hidden of every fed row [T, H]."""
-        return cls(every_hidden.index_select(0, vb.logits_indices[len(vb.row_request):]), head)
+    def take(cls, vb: VerifyBatch, every_hidden: torch.Tensor, head, columns: slice = slice(None)) -> "PromptRows":
+        """From the forward's hidden of every fed row [T, H] (or [T, k * H] fused features, whose
+        ``columns`` hold the final-normed state)."""
+        return cls(every_hidden[:, columns].index_select(0, vb.logits_indices[len(vb.row_request):]), head)
 
     def logits(self, a: int, e: int) -> torch.Tensor:
         """[e - a, V] float32: the logits of prompt rows a..e-1."""

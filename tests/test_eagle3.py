@@ -294,3 +294,35 @@ def test_resuming_with_another_vocabulary_is_refused(tmp_path, target):
     train_draft(d, store, a, cfg, ck, log=lambda *_: None, stop_at=1)
     with pytest.raises(ValueError, match="another draft vocabulary"):
         train_draft(e, store, b, cfg, ck, log=lambda *_: None)
+
+
+def test_prompt_logprobs_with_an_eagle3_draft_are_chunked_and_equal_the_plain_ones(tmp_path, target, vocab,
+                                                                                    monkeypatch):
+    """The verify forward returns fused layer features for an EAGLE-3 draft; the final-normed state is
+    one block of them, so prompt log-probabilities still come PROMPT_LOGPROB_ROWS rows at a time
+    (before: the whole [T, V] logits from the forward) and equal plain decoding's."""
+    import specrt
+    import specrt.verify as verify
+    t32 = target.float()
+    try:
+        d = init_draft(t32, "feature", [5], vocab, feature_layers=LAYERS)
+    finally:
+        target.to(torch.bfloat16)
+        target._prepared = False
+    d.save_pretrained(tmp_path / "e3")
+    (tmp_path / "e3" / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
+    monkeypatch.setattr(verify, "PROMPT_LOGPROB_ROWS", 8)
+    chunks = []
+    real = verify.PromptRows.logits
+    monkeypatch.setattr(verify.PromptRows, "logits", lambda self, a, e: chunks.append(e - a) or real(self, a, e))
+    prompt = [5, 17, 300, 41, 9, 9, 1200, 7] * 5
+    params = specrt.SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3)
+    spec = specrt.SpecConfig(max_model_len=256, max_batch_size=4)
+    plain = specrt.LLM(target="builtin", spec=spec).generate([prompt], params)[0]
+    assert chunks and max(chunks) <= 8
+    chunks.clear()
+    out = specrt.LLM(target="builtin", draft=str(tmp_path / "e3"), spec=spec).generate([prompt], params)[0]
+    assert sum(chunks) == len(prompt) - 1 and max(chunks) <= 8
+    def rows(o):
+        return [None if p is None else (p.token_id, p.logprob, p.top) for p in o.prompt_logprobs]
+    assert rows(out) == rows(plain) and rows(out)[1] is not None
