@@ -22,7 +22,7 @@ FIRST_TRIAL_AFTER = 8     # steps before the first trial
 GAP_AFTER_SWITCH = 64     # steps to the next trial after the choice changed
 MAX_TRIAL_GAP = 4096      # steps between trials at most (the gap doubles while the choice holds)
 MARGIN = 0.15             # the other count must take this much less time per token to switch
-STALL_FACTOR = 4.0        # a step this many times the typical one starts a trial at once
+STALL_FACTOR = 4.0        # a step at the full count this many times the typical one starts a trial at once
 TRIAL_ABORT = 2.0         # a trial step at the other count this many times the typical one ends the trial
 
 
@@ -101,8 +101,8 @@ class ThreadGovernor:
             if len(self._trial) >= TRIAL_STEPS or stalled:    # (a slow step at the other count ends it at once)
                 self._decide()
             return
-        if self._typical and seconds > STALL_FACTOR * self._typical:
-            self._next_trial = self._steps       # a stall: try the other count on the next steps
+        if self.current == self.threads and self._typical and seconds > STALL_FACTOR * self._typical:
+            self._next_trial = self._steps       # a stall at the full count: try half of it at once
         self._typical = seconds if not self._typical else 0.9 * self._typical + 0.1 * seconds
 
     def _per_token(self, n: int) -> float:
