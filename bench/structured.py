@@ -4,7 +4,7 @@ validate, and what speculation gains with a JSON schema.
     PYTHONPATH=. python -m bench.structured                       # both sections, 2 repeats
     PYTHONPATH=. python -m bench.structured --sections masks      # the mask libraries only
 
-Schemas and prompts: bench/structured_schemas.json (15 schemas written for this benchmark: nested
+Schemas and prompts: bench/structured_schemas.json (50 schemas written for this benchmark: nested
 objects, enums, arrays, numbers with ranges, strings with patterns; each with a valid example).
 
 masks: time per token on the target's tokenizer (49,152 tokens) of a mask and the matcher's
