@@ -39,7 +39,6 @@ import atexit
 import dataclasses
 import datetime
 import os
-import socket
 import sys
 import threading
 import time
@@ -168,8 +167,10 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, tim
     torch.set_num_threads(num_threads)
     conn.send(("alive", None))   # imports done: the driver may now join the rendezvous
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, int(port), world_size, False, timeout=timeout)   # rank 0's, already listening
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         ctrl = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         target, draft, spec, device, dtype, seed = engine_args
         device = _rank_device(device, rank)
@@ -210,12 +211,6 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, tim
     conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TPEngine:
     """LLMEngine interface over ``tensor_parallel_size`` ranks (see the module docstring).
 
@@ -252,7 +247,11 @@ class TPEngine:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if backend == "gloo":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # loopback only
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # rank 0's rendezvous store listens before any worker exists, on a port the OS picks as it
+        # binds (a port probed free and bound later could be taken in between: EADDRINUSE)
+        self._store = dist.TCPStore("127.0.0.1", 0, N, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        init_method = f"tcp://127.0.0.1:{self._store.port}"
         threads = num_threads or torch.get_num_threads()
         engine_args = (target, draft, spec, device, dtype, seed)
         ctx = torch.multiprocessing.get_context("spawn")
@@ -268,7 +267,7 @@ class TPEngine:
                 self._conns.append(parent_conn)
             atexit.register(self.close)
             self._expect("alive", timeout_s)   # a worker that cannot even import fails fast, not at the timeout
-            dist.init_process_group(backend, init_method=init_method, rank=0, world_size=N,
+            dist.init_process_group(backend, store=self._store, rank=0, world_size=N,
                                     timeout=datetime.timedelta(seconds=timeout_s))
             self._ctrl = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
             if dev.type == "cuda":
@@ -435,6 +434,7 @@ class TPEngine:
                     dist.destroy_process_group()
                 except BaseException:  # noqa: BLE001
                     pass
+            self._store = None                 # its listening socket closes with it
 
     def __enter__(self):
         return self
