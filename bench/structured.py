@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ks", default="2,4", help="draft lengths of the speculative modes")
     ap.add_argument("--sections", default="masks,generate")
-    ap.add_argument("--schemas", type=int, default=15, help="how many of the schemas (from the first)")
+    ap.add_argument("--schemas", type=int, default=None, help="how many of the schemas (from the first; default: all)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--warm-walks", type=int, default=3, help="masks: walks after the cold one")
