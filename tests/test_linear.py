@@ -602,7 +602,8 @@ def _path_logits(llm, prompt: list[int], n: int) -> tuple[list[int], dict[int, t
 def test_bf16_speculative_prefill_rows_equal_autoregressive_bit_for_bit():
     """The forward that scores a prompt has the same rows with and without a drafter, so the prompt's
     KV and every later logit are bit-identical: drafts fed along with the prompt would change its
-    rows (prefill attention over a cached prefix and GEMMs above SMALL_M are not row-invariant).
+    rows (before every CPU row took the same kernels, prefill attention over a cached prefix and GEMMs
+    above 128 rows were not row-invariant).
     Cases: a prompt whose first block is shared with an earlier one (its 30 other tokens attend over
     the cached block with masked SDPA, whose rows depend on the key count: SmolLM2 diverged so), and a
     fresh 126-token prompt (129+ rows leave the linear kernel: the case that fails here without the fix)."""

@@ -106,6 +106,8 @@ struct RowQ4_1 {  // w = fl(fl(d * q) + m): no fused multiply-add, as gguf-py de
 // prefetchers to ramp up. Lines are requested ahead of the linear read position: for one x
 // row (little work per line) kFar ahead into L1; for more rows, where the FMAs would
 // otherwise hold back the loads, kFar2 ahead into L2 and kNear ahead from L2 into L1.
+// Only the first x tile over a tile of weight rows prefetches (`stream`): the later ones
+// find those rows in L1, and re-requesting the stream ahead cost them ~15%.
 // (Measured on Zen 4: bench/forward.py; hints only, results do not depend on them.)
 constexpr int64_t kFar = 8192, kFar2 = 16384, kNear = 1024;
 
@@ -170,7 +172,7 @@ static inline void store_out(const Problem& p, int64_t m, int64_t n, float s) {
 #ifndef SPECRT_LINEAR_DOT_ONLY
 // ---- fp32 family: NR weight rows x MR x rows, 16-element chunks
 template <class Row, int NR, int MR>
-static void tile_f32(const Problem& p, int64_t n, int64_t m0) {
+static void tile_f32(const Problem& p, int64_t n, int64_t m0, bool stream) {
   Row row[NR];
   for (int r = 0; r < NR; ++r) row[r].init(p, n + r);
   const float* x = static_cast<const float*>(p.x) + m0 * p.ldx;
@@ -181,7 +183,7 @@ static void tile_f32(const Problem& p, int64_t n, int64_t m0) {
   const int64_t nc = p.K / 16;
   constexpr bool kTwoLevel = MR >= 2;
   Prefetch pf;
-  pf.init(p, n, NR, nc, kTwoLevel);
+  if (stream) pf.init(p, n, NR, nc, kTwoLevel);
   for (int64_t c = 0; c < nc; ++c) {
     pf.at<kTwoLevel>(c);
     V w[NR];
@@ -209,7 +211,7 @@ static void tile_f32(const Problem& p, int64_t n, int64_t m0) {
 
 // ---- group formats (K % 32 == 0): the same order as tile_f32, two chunks per step
 template <class Row, int NR, int MR>
-static void tile_group(const Problem& p, int64_t n, int64_t m0) {
+static void tile_group(const Problem& p, int64_t n, int64_t m0, bool stream) {
   Row row[NR];
   for (int r = 0; r < NR; ++r) row[r].init(p, n + r);
   const float* x = static_cast<const float*>(p.x) + m0 * p.ldx;
@@ -220,7 +222,7 @@ static void tile_group(const Problem& p, int64_t n, int64_t m0) {
   const int64_t ng = p.K / 32;
   constexpr bool kTwoLevel = MR >= 2;
   Prefetch pf;
-  pf.init(p, n, NR, 2 * ng, kTwoLevel);
+  if (stream) pf.init(p, n, NR, 2 * ng, kTwoLevel);
   for (int64_t g0 = 0; g0 < ng; g0 += 16) {
     const int64_t g1 = (ng - g0 < 16) ? ng : g0 + 16;
     for (int r = 0; r < NR; ++r) row[r].widen(g0, static_cast<int>(g1 - g0));
@@ -247,7 +249,7 @@ static void tile_group(const Problem& p, int64_t n, int64_t m0) {
 
 // ---- bf16 x bf16: 32-element chunks in the vdpbf16ps order
 template <int NR, int MR>
-static void tile_bf16dot(const Problem& p, int64_t n, int64_t m0) {
+static void tile_bf16dot(const Problem& p, int64_t n, int64_t m0, bool stream) {
   const uint16_t* w0 = static_cast<const uint16_t*>(p.w) + n * p.K;
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + m0 * p.ldx;
   const int64_t K = p.K, ldx = p.ldx;
@@ -257,7 +259,7 @@ static void tile_bf16dot(const Problem& p, int64_t n, int64_t m0) {
   const int64_t nc = K / 32;
   constexpr bool kTwoLevel = MR >= 2;
   Prefetch pf;
-  pf.init(p, n, NR, nc, kTwoLevel);
+  if (stream) pf.init(p, n, NR, nc, kTwoLevel);
   for (int64_t c = 0; c < nc; ++c) {
     pf.at<kTwoLevel>(c);
     BV w[NR];
@@ -288,31 +290,31 @@ static void tile_bf16dot(const Problem& p, int64_t n, int64_t m0) {
 template <class Row, int NR>
 struct F32Tiles {
   template <int MR>
-  static void tile(const Problem& p, int64_t n, int64_t m0) { tile_f32<Row, NR, MR>(p, n, m0); }
+  static void tile(const Problem& p, int64_t n, int64_t m0, bool stream) { tile_f32<Row, NR, MR>(p, n, m0, stream); }
 };
 
 template <class Row, int NR>
 struct GroupTiles {
   template <int MR>
-  static void tile(const Problem& p, int64_t n, int64_t m0) { tile_group<Row, NR, MR>(p, n, m0); }
+  static void tile(const Problem& p, int64_t n, int64_t m0, bool stream) { tile_group<Row, NR, MR>(p, n, m0, stream); }
 };
 #endif
 
 template <int NR>
 struct DotTiles {
   template <int MR>
-  static void tile(const Problem& p, int64_t n, int64_t m0) { tile_bf16dot<NR, MR>(p, n, m0); }
+  static void tile(const Problem& p, int64_t n, int64_t m0, bool stream) { tile_bf16dot<NR, MR>(p, n, m0, stream); }
 };
 
 template <class T>
-static void tile_mr(int mr, const Problem& p, int64_t n, int64_t m0) {
+static void tile_mr(int mr, const Problem& p, int64_t n, int64_t m0, bool stream) {
   switch (mr) {  // kMR <= 6
-    case 1: T::template tile<1>(p, n, m0); break;
-    case 2: if constexpr (kMR >= 2) T::template tile<2>(p, n, m0); break;
-    case 3: if constexpr (kMR >= 3) T::template tile<3>(p, n, m0); break;
-    case 4: if constexpr (kMR >= 4) T::template tile<4>(p, n, m0); break;
-    case 5: if constexpr (kMR >= 5) T::template tile<5>(p, n, m0); break;
-    case 6: if constexpr (kMR >= 6) T::template tile<6>(p, n, m0); break;
+    case 1: T::template tile<1>(p, n, m0, stream); break;
+    case 2: if constexpr (kMR >= 2) T::template tile<2>(p, n, m0, stream); break;
+    case 3: if constexpr (kMR >= 3) T::template tile<3>(p, n, m0, stream); break;
+    case 4: if constexpr (kMR >= 4) T::template tile<4>(p, n, m0, stream); break;
+    case 5: if constexpr (kMR >= 5) T::template tile<5>(p, n, m0, stream); break;
+    case 6: if constexpr (kMR >= 6) T::template tile<6>(p, n, m0, stream); break;
     default: break;
   }
 }
@@ -331,7 +333,7 @@ static void run_tiles(const Problem& p, int64_t n0, int64_t n1) {
       int64_t m0 = mb;
       for (int64_t t = 0; t < ntiles; ++t) {
         const int mr = static_cast<int>((mlen - (m0 - mb) + (ntiles - t) - 1) / (ntiles - t));
-        tile_mr<Full>(mr, p, n, m0);
+        tile_mr<Full>(mr, p, n, m0, t == 0);
         m0 += mr;
       }
     }
@@ -339,7 +341,7 @@ static void run_tiles(const Problem& p, int64_t n0, int64_t n1) {
       int64_t m0 = mb;
       for (int64_t t = 0; t < ntiles; ++t) {
         const int mr = static_cast<int>((mlen - (m0 - mb) + (ntiles - t) - 1) / (ntiles - t));
-        tile_mr<One>(mr, p, n, m0);
+        tile_mr<One>(mr, p, n, m0, t == 0);
         m0 += mr;
       }
     }

@@ -1,8 +1,10 @@
 """The attention of a decoder layer over the paged KV cache: which requests go where, and the calls.
 
-Decode and K+1 verify rows attend with ``ops.paged_attention``, a kernel that reads the paged
-blocks in place (no gather copy), causal within the new tokens, GQA, sliding window, float32
-accumulation. Fresh prefills (no earlier context) attend over their own new K/V with
+Rows attend with ``ops.paged_attention``, a kernel that reads the paged blocks in place (no gather
+copy), causal within the new tokens, GQA, sliding window, float32 accumulation; a row's bits depend
+only on its query and its keys. On the CPU every row takes it, prefill included, so a request's
+output does not depend on its batch neighbours or on which of its blocks were cached. On other
+devices fresh prefills (no earlier context) attend over their own new K/V with
 ``F.scaled_dot_product_attention`` (``is_causal``), and chunks of more than _KERNEL_MAX_QUERY tokens
 after a cached prefix gather their blocks and use SDPA. The torch path (``paged_attention_sdpa``:
 half-precision attention, the ``set_attention_backend("sdpa")`` reference) splits the requests
@@ -150,10 +152,11 @@ class _KernelBatch:
 class _Plan:
     """How one AttentionMetadata's requests are grouped (host lists only; built once per call).
 
-    Fresh prefills (no earlier context) attend over their own new K/V with SDPA. The rest either
-    go to the paged-attention kernel (``kernel()``: at most _KERNEL_MAX_QUERY new tokens each;
-    longer chunks after a cached prefix run alone through a gather + SDPA) or, for half-precision
-    attention and the reference path, to padded gather + SDPA batches (``sdpa()``)."""
+    ``kernel()``: on the CPU every request goes to the paged-attention kernel. Elsewhere fresh
+    prefills (no earlier context) attend over their own new K/V with SDPA, requests with at most
+    _KERNEL_MAX_QUERY new tokens go to the kernel, and longer chunks after a cached prefix run alone
+    through a gather + SDPA. ``sdpa()``: half-precision attention and the reference path, padded
+    gather + SDPA batches."""
 
     def __init__(self, meta: AttentionMetadata):
         meta.ensure_derived()
@@ -180,9 +183,12 @@ class _Plan:
         if self._kernel is None:
             qls, sls, starts = self._meta.query_lens_host, self._meta.seq_lens_host, self._starts
             verify = self._meta.verify_requests_host or [False] * len(qls)
-            on_kernel = [qls[b] <= _KERNEL_MAX_QUERY or self.tree[b] or verify[b] for b in range(len(qls))]
-            members = [b for b in self.rest if on_kernel[b]]
-            long = [(b, starts[b], qls[b], sls[b]) for b in self.rest if not on_kernel[b]]
+            if self._meta.seq_lens.device.type == "cpu":  # every request: one path, whatever its neighbours
+                members, long = list(range(len(qls))), []
+            else:
+                on_kernel = [qls[b] <= _KERNEL_MAX_QUERY or self.tree[b] or verify[b] for b in range(len(qls))]
+                members = [b for b in self.rest if on_kernel[b]]
+                long = [(b, starts[b], qls[b], sls[b]) for b in self.rest if not on_kernel[b]]
             batch = (_KernelBatch(self._meta, members, starts, len(members) == len(qls), self.tree)
                      if members else None)
             self._kernel = (long, batch)
@@ -247,8 +253,8 @@ def _plan(meta: AttentionMetadata) -> _Plan:
 
 def kernel_batch(meta: AttentionMetadata) -> _KernelBatch | None:
     """The kernel batch of ``meta`` when every request attends through the paged-attention kernel in
-    one call (decode, verify and tree batches: no prefill, no causal chunk longer than _KERNEL_MAX_QUERY),
-    else None."""
+    one call (always on the CPU; elsewhere decode, verify and tree batches: no prefill, no causal
+    chunk longer than _KERNEL_MAX_QUERY), else None."""
     _, batch = _plan(meta).kernel()
     return batch if batch is not None and batch.rows is None else None
 
@@ -291,8 +297,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     only by fresh prefills, in q's dtype there); layer_cache [2, num_blocks, block_size, Hkv, D].
     Returns [T, H, D] in q's dtype.
 
-    backend "kernel": decode and verify rows (up to _KERNEL_MAX_QUERY new tokens per request, and
-    requests with tree bits in ``meta.tree_mask`` at any length) run through ``ops.paged_attention``
+    backend "kernel": every row on the CPU; elsewhere decode and verify rows (up to _KERNEL_MAX_QUERY
+    new tokens per request, and requests with tree bits in ``meta.tree_mask`` at any length) run through ``ops.paged_attention``
     straight over the paged blocks (float32 q only); fresh prefills and longer chunks use SDPA.
     "sdpa" (and half-precision q): the gather + SDPA path, :func:`paged_attention_sdpa`.
     """

@@ -1,10 +1,10 @@
-"""Linear layers of the decoder: float projections on the small-M kernel, and weight-only
+"""Linear layers of the decoder: float projections on specrt's linear kernel, and weight-only
 quantized layers (int8, Q8_0, Q4_0, Q4_1) that stay quantized at run time.
 
 Float weights (``nn.Linear``) are called through :func:`prepare_linear`, which runs
-``specrt.ops.linear`` (the batch-invariant small-M CPU kernel: one pass over the weights
-for all rows, the same reduction order for any row count) when x has at most
-``KernelPolicy.max_rows`` rows, and torch's GEMM otherwise (prefill) and on GPUs.
+``specrt.ops.linear`` (the batch-invariant CPU kernel: one pass over the weights for a block
+of rows, the same reduction order for any row count) when x has at most ``KernelPolicy.max_rows``
+rows (default: any), and torch's GEMM otherwise and on GPUs.
 
 :class:`QuantLinear` keeps its weight quantized and runs ``specrt.ops.quant_linear``
 (dequantized in registers, fp32 accumulation) for any row count on the CPU; on other
@@ -38,10 +38,10 @@ from specrt.models.qformats import GROUP, KINDS, pack_q4, quantize
 from specrt.models.qformats import as_half as _as_half
 from specrt.models.qformats import check_kind as _check_kind
 
-__all__ = ["KINDS", "SMALL_M", "KernelPolicy", "FloatLinear", "QuantLinear", "QuantEmbedding", "quantize",
+__all__ = ["KINDS", "ALL_ROWS", "KernelPolicy", "FloatLinear", "QuantLinear", "QuantEmbedding", "quantize",
            "prepare_linear", "fuse_linears", "hugepage_copy"]
 
-SMALL_M = 128  # rows up to which the kernel replaces torch's GEMM: every decode / verify batch (bench/forward.py)
+ALL_ROWS = 1 << 62  # KernelPolicy.max_rows default: every row count on the kernel, one reduction order per row
 _GGUF_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # fp16 d [, fp16 m], quants
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _LINEAR = torch.ops.specrt.linear.default
@@ -153,11 +153,12 @@ def pack_projections(projections: list, model: nn.Module) -> bool:
 class KernelPolicy:
     """Shared by a model's prepared projections.
 
-    max_rows: x rows up to which float projections use the small-M kernel (0: torch's
-    F.linear everywhere, and quantized layers take torch's path too — for comparisons).
+    max_rows: x rows up to which float projections use specrt's kernel (default: all, so a row's
+    bits never depend on how many rows share its step; 0: torch's F.linear everywhere, and
+    quantized layers take torch's path too — for comparisons).
     int8_activations: quantized layers quantize x to int8 on the fly (``ops.quant_linear_dynamic``;
     opt-in, changes the numerics; CPU, K % 32 == 0, else the float path)."""
-    max_rows: int = SMALL_M
+    max_rows: int = ALL_ROWS
     int8_activations: bool = False
 
 
@@ -383,7 +384,7 @@ class QuantEmbedding(nn.Module):
 
 # ----------------------------------------------------------------------------- prepared projections
 class FloatLinear:
-    """A float projection's fast call: the small-M kernel up to ``policy.max_rows`` rows, else F.linear."""
+    """A float projection's fast call: specrt's kernel up to ``policy.max_rows`` rows (default: all), else F.linear."""
 
     __slots__ = ("weight", "bias", "policy", "kernel")
 

@@ -8,11 +8,11 @@ model dtype, logits returned as float32), so fp32 logits match to ~1e-6.
 Attention (specrt.models.attention_path): decode and K+1 verify rows attend with the paged-attention
 kernel straight over the cache blocks; prefills use SDPA.
 
-Projections (specrt.models.linear): decode / verify rows (<= 128 by default) run on specrt's
-small-M kernel — one pass over the weights for all rows, and the same reduction order for any
-row count, so a verify row equals the decode of that token bit for bit (greedy speculative
-output then equals autoregressive output in bf16 too); prefill runs on torch's GEMM; quantized
-layers (QuantLinear) always run quantized. ``set_linear_kernel(0)`` switches the kernel off.
+Projections (specrt.models.linear): on the CPU every row runs on specrt's linear kernel — the
+same reduction order for any row count, so a verify row equals the decode of that token bit for
+bit (greedy speculative output then equals autoregressive output in bf16 too) and a prompt row
+does not depend on the prompts prefilled beside it; quantized layers (QuantLinear) always run
+quantized. ``set_linear_kernel(n)`` sends steps of more than n rows to torch's GEMM (0: always).
 
 CPU overhead (a decode step is dominated by per-op costs, not FLOPs, outside the projections):
 q/k/v and gate/up are fused into one projection each (``prepare``: the fused tensor is the storage
@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
     # -- fast path: fused q/k/v and gate/up weights, cached weight references (built lazily)
     def prepare(self) -> "LlamaForCausalLM":
         """Fuse q/k/v and gate/up into single projections and cache per-layer callables
-        (specrt.models.linear: the small-M kernel for decode / verify rows, torch's GEMM for prefill).
+        (specrt.models.linear: specrt's linear kernel for every row on the CPU).
         Runs lazily at the first forward; anything that replaces parameters or modules
         (``.to()``, ``load_state_dict(assign=True)``, tensor-parallel sharding) invalidates it."""
         dynamic = self.linear_policy.int8_activations
@@ -254,9 +254,10 @@ class LlamaForCausalLM(nn.Module):
         self.layer_stack = bool(enabled)
 
     def set_linear_kernel(self, max_rows: int) -> None:
-        """Projections of at most ``max_rows`` rows (tokens) run on specrt's small-M kernel (default
-        SMALL_M = 128); 0 runs every projection on torch's path (F.linear, and torch's int8 / dequantize for
-        quantized layers). Greedy bf16 speculative output equals autoregressive output only with it."""
+        """Projections of at most ``max_rows`` rows (tokens) run on specrt's linear kernel (default:
+        any row count), larger ones on torch's GEMM; 0 runs every projection on torch's path (F.linear,
+        and torch's int8 / dequantize for quantized layers). Greedy bf16 speculative output equals
+        autoregressive output, and a request's output is independent of its neighbours, only with it."""
         if not isinstance(max_rows, int) or max_rows < 0:
             raise ValueError(f"max_rows must be an integer >= 0, got {max_rows!r}")
         self.linear_policy.max_rows = max_rows
