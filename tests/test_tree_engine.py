@@ -317,3 +317,50 @@ def test_on_and_off_are_kept_per_load():
     assert p.switch(1).on and p.switch(1).speedup > 1.2
     assert not p.switch(8).on and p.switch(8).speedup < OFF_BELOW
     assert p.plan(None, 1, 1, 10, 4, 8).draft and not p.plan(None, 8, 8, 80, 4, 8).draft
+
+
+def test_a_load_never_run_plain_is_measured_plain_first():
+    """Before drafting at a load the planner has no plain step for, it runs one plain: the baseline a
+    tree step must beat (before, the first trees at 8 in flight were judged against the verify curve's
+    flat guess below its first count and stayed on for 35 steps at ~0.6x)."""
+    from specrt.policy import CostModel
+    from specrt.policy.tree import TreePlanner
+
+    p, costs = TreePlanner(), CostModel()
+    assert not p.plan(costs, 8, 8, 80, 4, 8).draft
+    p.observe(0.0, 0, 8, step_s=0.014, verify_s=0.014, rows=8, plain_s=None, batch_size=8, drafted=False,
+              fed_context=False)
+    assert p.plan(costs, 8, 8, 80, 4, 8).draft
+    assert not p.plan(costs, 4, 4, 40, 4, 8).draft       # another load: its own plain step first
+
+
+def test_nodes_are_priced_by_the_rows_the_whole_batch_adds():
+    """A request's (n+1)-th node costs the average row of the block of rows every request's (n+1)-th
+    node adds (b(n+1) .. b(n+2)); one block past the largest verified count follows the last slope,
+    blocks past that are not bought at all until a step has verified them."""
+    import math
+
+    from specrt.policy.tree import TreePlanner
+
+    p = TreePlanner()
+    for rows, s in ((1, 0.009), (8, 0.014), (16, 0.022)):
+        p.curve.add(rows, s)
+    assert p._node_row(8, 0) == pytest.approx((0.022 - 0.014) / 8)     # rows 9-16: measured
+    assert p._node_row(8, 1) == pytest.approx(0.001)                   # rows 17-24: along the last slope
+    assert p._node_row(8, 2) == math.inf                                # rows 25-32: never verified here
+    assert p._node_row(1, 0) == pytest.approx(0.005 / 7)               # row 2: between 1 and 8
+    assert p._node_row(1, 15) == pytest.approx(0.001) and p._node_row(1, 16) == math.inf
+
+
+def test_a_losing_trial_ends_early():
+    """A trial whose steps after the catch-up average below TRIAL_GIVE_UP (here 0.9x, where the old
+    bar was 0.85x) can hardly reach ON_ABOVE over TRIAL_STEPS: it ends after TRIAL_CHECK of them (at
+    8 in flight such trials were the largest cost of the default engine)."""
+    from specrt.policy.tree import TRIAL_CHECK, TreePlanner
+
+    p = TreePlanner()
+    _observe(p, 0.5, 80)                 # off
+    while not p.plan(None, 1, 1, 10, 4, 8).draft:
+        pass
+    _observe(p, 0.9, TRIAL_CHECK + 1)
+    assert p.switch(1).trial is None and not p.on

@@ -59,11 +59,15 @@ class TargetFeatures:
 
     def add(self, span: FeatureSpan) -> "TargetFeatures":
         """The newest features win: positions from ``span.first`` on are replaced."""
+        if not self.spans or span.first >= self.spans[-1].end:   # new positions only (a plain step)
+            return TargetFeatures(self.spans + (span,))
         kept = tuple(FeatureSpan(s.first, s.states[:span.first - s.first]) for s in self.spans if s.first < span.first)
         return TargetFeatures(tuple(s for s in kept if s.states.shape[0]) + (span,))
 
     def keep(self, lo: int, hi: int) -> "TargetFeatures":
         """Only positions [lo, hi) (merged into one span when there are many)."""
+        if self.spans and self.spans[0].first >= lo and self.spans[-1].end <= hi and len(self.spans) <= MAX_SPANS:
+            return self   # nothing outside [lo, hi): the common case while drafting is off
         spans = tuple(FeatureSpan(max(s.first, lo), s.states[max(lo - s.first, 0):hi - s.first])
                       for s in self.spans if s.end > lo and s.first < hi)
         if len(spans) > MAX_SPANS:

@@ -5,13 +5,17 @@ product of the draft's probabilities on its path times a calibration factor, the
 accepted to predicted nodes over recent tree steps. Each verify row has a price: the measured
 verify time as a function of the rows a step feeds (``VerifyCurve``, an average per row count,
 interpolated between counts), so the n-th extra row costs what the curve says it adds, not an
-average slope: on a CPU the first few rows are nearly free and later ones are not. A request
+average slope: on a CPU the first few rows are nearly free and later ones are not. A request's
+(n+1)-th node is priced at the average row of the block every request's (n+1)-th node adds; one
+block past the largest count ever verified follows the last slope, later ones are not bought
+until a step has verified them (trees grow a node per request at a time into the unknown). A request
 keeps the N best nodes that maximise (1 + expected accepted) / (1 + cost of N rows), costs
 relative to the step's time per request. A tree grows a level deeper only for requests whose
 best newest node's calibrated probability repays a draft level and a verify row.
 
 On/off, kept per load (``load_bucket``: 1, 2, 3-4, 5-8, ... requests in the step, since drafting
-may pay for one request and not for eight). Drafting must beat plain decoding: every tree step's
+may pay for one request and not for eight). Drafting must beat plain decoding: a load never run plain runs one plain step first (the
+baseline), then every tree step's
 speed is compared with the cost model's autoregressive step time for the same batch (or, before it
 has one, the verify curve's time of a step of as many rows as requests; a running average of the
 ratios). Below
@@ -30,6 +34,8 @@ After an off period of such steps in a row a trial drafts again and measures tha
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 64          # steps between plain probes
@@ -38,7 +44,7 @@ OFF_STEPS = 48            # plain steps before a trial while drafting is off ...
 MAX_OFF_STEPS = 768       # ... doubling after each failed trial up to this
 TRIAL_STEPS = 16          # tree steps a trial averages ...
 TRIAL_CHECK = 5           # ... unless the steps after its first (the catch-up) are this many
-TRIAL_GIVE_UP = 0.85      # ... and average below this: it ends there as failed
+TRIAL_GIVE_UP = 0.95      # ... and average below this (then the trial can hardly reach ON_ABOVE): it ends there as failed
 OFF_BELOW = 0.97          # running speedup under which drafting switches off ...
 ON_ABOVE = 1.02           # ... and the trial average over which it switches back on
 AVERAGE = 0.1             # weight of the newest step in the calibration and verify-curve averages
@@ -145,6 +151,8 @@ class TreePlanner:
         sw = self.switch()
         rows, level = self._costs(costs, batch_size, tokens, context, depth, max_nodes)
         draft = self._draft_now(costs, sw)
+        if draft and self.adaptive and costs is not None and batch_size not in self.curve.seconds:
+            draft = False  # a load never run plain: measure its plain step first (the baseline drafting must beat)
         if draft and self.adaptive and sw.trial is None and rows and rows[0] + level >= self.gain:
             # not even the first node repays its row and a draft level (a large batch on a compute-bound
             # device): no draft forward at all. The gain is measured on drafted steps only, so after
@@ -190,9 +198,19 @@ class TreePlanner:
             slope = max(float(costs.verify_coef[1]), 0.0)
             rows = [slope] * max_nodes
         else:
-            rows = [max(self.curve.at(batch_size + n + 1) - self.curve.at(batch_size + n), 0.0)
-                    for n in range(max_nodes)]
+            rows = [self._node_row(batch_size, n) for n in range(max_nodes)]
         return [r * batch_size / step for r in rows], level / step
+
+    def _node_row(self, b: int, n: int) -> float:
+        """Seconds one verify row adds when each of ``b`` requests gets its (n+1)-th node: the curve's
+        average increment over rows b(n+1) .. b(n+2). Measured (or between measured counts); the first
+        block past the largest measured count along the last slope (one node more per request than
+        ever verified at this load: exploration); blocks past that unpriced (inf), since on a CPU rows
+        grow dearer as a step turns compute-bound and the last slope would underprice them."""
+        lo, hi = b * (n + 1), b * (n + 2)
+        if lo > max(self.curve.seconds, default=0):
+            return math.inf
+        return max(self.curve.at(hi) - self.curve.at(lo), 0.0) / b
 
     def observe(self, predicted: float, accepted: int, emitted: int, step_s: float, verify_s: float, rows: int,
                 plain_s: float | None, batch_size: int, drafted: bool, fed_context: bool) -> None:
