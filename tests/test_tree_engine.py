@@ -364,3 +364,22 @@ def test_a_losing_trial_ends_early():
         pass
     _observe(p, 0.9, TRIAL_CHECK + 1)
     assert p.switch(1).trial is None and not p.on
+
+
+def test_a_noisy_paying_trial_is_not_given_up():
+    """One request's step ratios swing with each step's acceptance (~0.65 when nothing is accepted,
+    ~1.3 / ~2 for one / two): four misses and a hit after the catch-up are bad luck, not a load
+    where drafting cannot pay (at a 0.85 or 0.95 bar on the mean alone, about one trial in five
+    failed so at batch 1, and the doubling off periods then kept the model drafter off for a run)."""
+    from specrt.policy.tree import TRIAL_STEPS, TreePlanner
+
+    p = TreePlanner()
+    _observe(p, 0.5, 80)                 # off
+    while not p.plan(None, 1, 1, 10, 4, 8).draft:
+        pass
+    ratios = [0.8, 0.65, 0.65, 0.65, 0.65, 1.3] + [2.0, 1.3, 0.65, 2.0, 2.0] * 2   # mean 1.24
+    assert len(ratios) == TRIAL_STEPS
+    for r in ratios:
+        assert p.switch(1).trial is not None
+        _observe(p, r)
+    assert p.switch(1).trial is None and p.on

@@ -22,7 +22,8 @@ ratios). Below
 ``OFF_BELOW`` drafting stops for ``OFF_STEPS`` steps, then drafts for ``TRIAL_STEPS`` steps and
 stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
 pays the draft's catch-up over everything decoded while it was off; one whose later steps are
-clearly slower than plain ones ends after ``TRIAL_CHECK`` of them). Each failed trial doubles
+clearly slower than plain ones, by their mean and its standard error, ends after ``TRIAL_CHECK``
+of them: a batch's steps are steady, one request's swing with each step's acceptance). Each failed trial doubles
 the off period (up to ``MAX_OFF_STEPS``); one that pays resets it: where drafting never pays (a
 large batch on one core) the trials' cost falls from a quarter of the steps to a few percent.
 Every ``PROBE_EVERY`` steps ``PROBE_STEPS`` plain steps keep the autoregressive time measured on
@@ -44,9 +45,9 @@ OFF_STEPS = 48            # plain steps before a trial while drafting is off ...
 MAX_OFF_STEPS = 768       # ... doubling after each failed trial up to this
 TRIAL_STEPS = 16          # tree steps a trial averages ...
 TRIAL_CHECK = 5           # ... unless the steps after its first (the catch-up) are this many
-TRIAL_GIVE_UP = 0.95      # ... and average below this (then the trial can hardly reach ON_ABOVE): it ends there as failed
+TRIAL_GIVE_UP = 1.0       # ... and average, plus two standard errors, below this: it ends there as failed
 OFF_BELOW = 0.97          # running speedup under which drafting switches off ...
-ON_ABOVE = 1.02           # ... and the trial average over which it switches back on
+ON_ABOVE = 1.02           # ... and the trial average (plus a standard error) over which it switches back on
 AVERAGE = 0.1             # weight of the newest step in the calibration and verify-curve averages
 SPEED_AVERAGE = 0.03      # ... in the speedup's (one step's ratio swings with its acceptance: slower)
 PRIOR_ROW_COST = 0.05     # one verify row / one step, before anything was measured
@@ -97,6 +98,18 @@ class VerifyCurve:
             return self.seconds[b] + slope * (rows - b)
         w = (rows - lo) / (hi - lo)
         return self.seconds[lo] + w * (self.seconds[hi] - self.seconds[lo])
+
+
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    """The mean of a trial's step ratios and its standard error (0 below two steps): one request's
+    step ratio swings between ~0.65 (nothing accepted) and ~2 (two accepted), a batch's barely."""
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    m = sum(xs) / n
+    if n < 2:
+        return m, 0.0
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
 
 
 def load_bucket(batch_size: int) -> int:
@@ -234,11 +247,12 @@ class TreePlanner:
         if sw.trial is not None:
             sw.trial.append(ratio)
             later = sw.trial[1:]
-            hopeless = len(later) >= TRIAL_CHECK and sum(later) / len(later) < TRIAL_GIVE_UP
+            m, se = _mean_se(later)
+            hopeless = len(later) >= TRIAL_CHECK and m + 2 * se < TRIAL_GIVE_UP
             if len(sw.trial) >= TRIAL_STEPS or hopeless:
-                mean = sum(sw.trial) / len(sw.trial)
+                mean, se = _mean_se(sw.trial)
                 sw.trial = None
-                sw.on, sw.speedup = mean > ON_ABOVE, mean
+                sw.on, sw.speedup = not hopeless and mean + se > ON_ABOVE, mean
                 sw.off_steps = OFF_STEPS if sw.on else min(2 * sw.off_steps, MAX_OFF_STEPS)
                 sw.off_left = 0 if sw.on else sw.off_steps
             return
