@@ -247,8 +247,7 @@ class LLMEngine:
             outs = self._isolate(batch, forced_k, prefill)
         if forced_k is None and time.monotonic() - self._health_checked >= HEALTH_CHECK_EVERY_S:
             self._health_checked = time.monotonic()
-            self.metrics.draft_misaligned = getattr(self.drafter, "draft_params", None) is not None
-            self.metrics.check_health()
+            self.metrics.check_health(draft_misaligned=getattr(self.drafter, "draft_params", None) is not None)
         outs = outs + self._drain_finished(exclude={o.request_id for o in outs})
         if self._recorded_until is not None:
             self._untimed_s += time.perf_counter() - self._recorded_until
