@@ -103,13 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engines(args, pair: Pair, target: str, drafts: list[str]) -> dict:
     import specrt
+    from specrt.drafters.spec import parse_draft
 
     dtype = args.dtype or pair.dtype
     common = dict(target=target, device=args.device, dtype=dtype, target_quantize=args.target_quantize,
                   int8_activations=args.int8_activations)
     engines = {"autoregressive": specrt.LLM(draft=None, spec=specrt.SpecConfig(max_batch_size=1), **common)}
     for d in drafts:
-        model_draft = not d.startswith(("ngram", "self:"))
+        model_draft = parse_draft(d).loads_model    # draft_quantize / draft_dtype apply to a draft model only
         length = {} if args.draft_length is None else {"max_draft_length": args.draft_length}
         engines[f"speculative ({d})"] = specrt.LLM(
             draft=d, spec=specrt.SpecConfig(acceptance=args.acceptance, policy=args.policy, max_batch_size=1,

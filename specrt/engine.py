@@ -28,6 +28,7 @@ from specrt import ops
 from specrt.config import SamplingParams, SpecConfig
 from specrt.accounting import record_costs, record_samples
 from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_size, make_drafter, no_drafts
+from specrt.drafters.spec import parse_draft
 from specrt.drafters.tree import TreeShape
 from specrt.policy.tree import TreePlanner, TreeStep
 from specrt.kv_cache import PagedKVCache, kv_cache_blocks
@@ -78,8 +79,9 @@ class LLMEngine:
                  agree_ks: Callable[[list[int]], list[int]] | None = None, health: HealthRanges | None = None):
         self.spec = spec or SpecConfig()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        loaded = load_target(target, draft, self.device, dtype, model_loader, target_quantize, draft_quantize,
-                             draft_dtype, int8_activations)
+        draft_spec = parse_draft(draft, self.spec.lookup)
+        loaded = load_target(target, draft, draft_spec.loads_model, self.device, dtype, model_loader,
+                             target_quantize, draft_quantize, draft_dtype, int8_activations)
         self.target, target_path, dtype = loaded.model, loaded.path, loaded.dtype
         self.tokenizer = load_tokenizer(target_path)
         self.generation_config = load_generation_config(target_path)
@@ -88,8 +90,8 @@ class LLMEngine:
         window = KVWindow(self.spec.draft_kv_sinks, self.spec.draft_kv_window) if self.spec.draft_kv_window else None
         settings = DraftSettings(self.vocab_size, self.eos_token_ids, self.spec.acceptance == "coupled", self.device,
                                  kv_window=window)
-        self.drafter = make_drafter(draft, target_path, self.target, settings, loaded.draft_loader, dtype,
-                                    accept_head=self.spec.policy == "head", lookup=self.spec.lookup)
+        self.drafter = make_drafter(draft_spec, target_path, self.target, settings, loaded.draft_loader, dtype,
+                                    accept_head=self.spec.policy == "head")
         if loaded.draft_int8_activations and self.drafter is not None:
             use_int8_activations(getattr(self.drafter, "model", None))  # a quantized draft model's layers
         if self.drafter is not None and wrap_drafter is not None:
@@ -247,8 +249,7 @@ class LLMEngine:
             outs = self._isolate(batch, forced_k, prefill)
         if forced_k is None and time.monotonic() - self._health_checked >= HEALTH_CHECK_EVERY_S:
             self._health_checked = time.monotonic()
-            self.metrics.draft_misaligned = getattr(self.drafter, "draft_params", None) is not None
-            self.metrics.check_health()
+            self.metrics.check_health(draft_misaligned=getattr(self.drafter, "draft_params", None) is not None)
         outs = outs + self._drain_finished(exclude={o.request_id for o in outs})
         if self._recorded_until is not None:
             self._untimed_s += time.perf_counter() - self._recorded_until

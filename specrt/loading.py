@@ -38,25 +38,18 @@ AUTO = "auto"
 AUTO_DRAFT_QUANTIZE = "q8_0"   # what draft_quantize="auto" picks where the int8-activation kernel has VNNI
 
 
-def is_model_draft(draft) -> bool:
-    """Whether ``draft`` (the engine's ``draft=``) loads a draft model: a name or folder, alone or
-    before "+ngram" / "+suffix"; not None, "none", n-gram, suffix or self:N drafting."""
-    return isinstance(draft, (str, Path)) and str(draft) != "none" \
-        and not str(draft).startswith(("ngram", "self:", "suffix"))
-
-
-def resolve_draft_quantize(draft_quantize, draft, device: torch.device) -> tuple[str | None, bool]:
+def resolve_draft_quantize(draft_quantize, model_draft: bool, device: torch.device) -> tuple[str | None, bool]:
     """(the draft model's quantization or None, whether its quantized layers take int8 activations).
 
     "auto" (the engine's default) picks Q8_0 weights with int8 activations for a draft model on a
     CPU whose int8 kernel runs on AVX-512-VNNI: the draft's acceptance stays the same and its steps
     get cheaper (docs/benchmarks.md, "Token trees and the default engine"); full precision elsewhere (GPUs, CPUs without VNNI, drafters without a model). None / a kind:
-    as given."""
+    as given. ``model_draft``: whether the draft loads a model (DraftSpec.loads_model)."""
     if draft_quantize != AUTO:
         return check_quantize(draft_quantize, "draft_quantize"), False
     from specrt import ops
 
-    if is_model_draft(draft) and device.type == "cpu" and ops.linear_dynamic_isa() == "avx512vnni":
+    if model_draft and device.type == "cpu" and ops.linear_dynamic_isa() == "avx512vnni":
         return AUTO_DRAFT_QUANTIZE, True
     return None, False
 
@@ -91,7 +84,6 @@ def quantized_loader(loader: ModelLoader, quantize: str | None, dtype=None, keep
         if quantize is None or (keep_quantized and any(isinstance(m, QuantLinear) for m in model.modules())):
             return model
         return quantize_model_(model, quantize)
-    load.quantize, load.draft_dtype = quantize, dtype   # what a draft loaded another way must honour
     return load
 
 
@@ -102,13 +94,22 @@ def resolve_engine_dtype(dtype, device: torch.device, target_path: Path) -> torc
     return resolve_dtype(dtype, load_config(target_path))
 
 
+@dataclass(frozen=True)
+class DraftLoader:
+    """How the draft model loads: the loader, and the settings it applies, which a draft loaded
+    another way (a reduced-vocabulary DraftModel folder) must honour too."""
+    load: ModelLoader                   # (path, "draft", dtype, device) -> model, draft_quantize / draft_dtype applied
+    quantize: str | None = None         # its weight-only quantization (one of QUANT_KINDS; None: full precision)
+    dtype: object = None                # its activation dtype as asked (a torch dtype, a name, "auto"; None: the engine's)
+
+
 @dataclass
 class LoadedTarget:
     """The engine's target, loaded, and how its draft model (if any) is to be loaded."""
     path: Path
     model: object                       # LlamaForCausalLM (or a tensor-parallel shard)
     dtype: torch.dtype                  # the engine's activation dtype
-    draft_loader: ModelLoader           # the loader with draft_quantize / draft_dtype applied
+    draft_loader: DraftLoader           # the loader with draft_quantize / draft_dtype applied
     draft_int8_activations: bool = False  # the quantized draft's layers take int8 activations
 
 
@@ -130,22 +131,25 @@ def use_int8_activations(model) -> bool:
     return True
 
 
-def load_target(target, draft, device: torch.device, dtype, loader: ModelLoader | None, target_quantize=None,
-                draft_quantize=None, draft_dtype=None, int8_activations: bool = False) -> LoadedTarget:
+def load_target(target, draft, model_draft: bool, device: torch.device, dtype, loader: ModelLoader | None,
+                target_quantize=None, draft_quantize=None, draft_dtype=None,
+                int8_activations: bool = False) -> LoadedTarget:
     """Resolve and load the target (weight-only quantized if asked; quantized layers stay
     quantized; with ``int8_activations`` they quantize their inputs to int8, and the target must have
     some: ``target_quantize``, a quantized checkpoint or GGUF, or a loader that quantizes); ValueError
-    when draft_quantize / draft_dtype are given without a draft model."""
+    when draft_quantize / draft_dtype are given without a draft model. ``draft``: the engine's
+    ``draft=`` (for messages); ``model_draft``: whether it loads a model (DraftSpec.loads_model)."""
     int8_activations = check_int8_activations(int8_activations, device)
     load = loader or default_loader
     path = resolve_model_path(target, "target")
     dtype = resolve_engine_dtype(dtype, device, path)
-    draft_kind, draft_int8 = resolve_draft_quantize(draft_quantize, draft, device)
+    draft_kind, draft_int8 = resolve_draft_quantize(draft_quantize, model_draft, device)
     draft_load = quantized_loader(load, draft_kind, draft_dtype, keep_quantized=draft_quantize == AUTO)
-    if draft_load is not load and not is_model_draft(draft):
+    if draft_load is not load and not model_draft:
         raise ValueError(f"draft_quantize / draft_dtype apply to a draft model, got draft={draft!r}")
     model = quantized_loader(load, check_quantize(target_quantize, "target_quantize"))(path, "target", dtype, device)
     if int8_activations and not use_int8_activations(model):
         raise ValueError(f"int8_activations=True needs a quantized target (target_quantize one of {QUANT_KINDS}, a "
                          f"quantized checkpoint or GGUF file); {path.name} loaded with no quantized layer")
-    return LoadedTarget(path, model, dtype, draft_load, draft_int8 or int8_activations)
+    return LoadedTarget(path, model, dtype, DraftLoader(draft_load, draft_kind, draft_dtype),
+                        draft_int8 or int8_activations)

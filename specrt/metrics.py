@@ -195,17 +195,20 @@ class EngineMetrics:
     """Aggregates step records; thread-safe (the server reads while the engine steps).
 
     ``labels``: constant labels of the health series (the engine sets model / draft);
-    ``info``: engine facts shown in snapshot() (overlap status, draft size, KV tokens)."""
+    ``info``: engine facts shown in snapshot() (overlap status, draft size, KV tokens);
+    ``draft_misaligned``: the draft rows sample with other parameters than the target's (the
+    drafter's draft_params hook; a likely cause in the health reports), as ``check_health`` last heard."""
 
     BUCKET_S = 1.0          # the time window is kept in buckets of this many seconds
 
     def __init__(self, window_s: float = 60.0, health: HealthRanges | None = None, labels: dict | None = None,
-                 info: dict | None = None, sources: Callable[[], dict | None] | None = None):
+                 info: dict | None = None, sources: Callable[[], dict | None] | None = None,
+                 draft_misaligned: bool = False):
         self.window_s = window_s
         self.health = health or HealthRanges()
         self.labels = dict(labels or {})
         self.info = dict(info or {})
-        self.draft_misaligned = False      # the engine sets it: draft rows sample with other parameters
+        self.draft_misaligned = draft_misaligned   # draft rows sample with other parameters (check_health)
         self.sources = sources             # () -> per draft source counts (suffix drafting), or None
         self._lock = threading.Lock()
         self.total = RequestStats()
@@ -223,9 +226,7 @@ class EngineMetrics:
 
     def fresh(self) -> "EngineMetrics":
         """New, empty statistics with the same settings (reset_metrics)."""
-        m = EngineMetrics(self.window_s, self.health, self.labels, self.info, self.sources)
-        m.draft_misaligned = self.draft_misaligned
-        return m
+        return EngineMetrics(self.window_s, self.health, self.labels, self.info, self.sources, self.draft_misaligned)
 
     def record_step(self, tag: str, context_len: int, drafted: int, accepted: int, emitted: int,
                     draft_s: float, verify_s: float, hidden_s: float) -> None:
@@ -290,8 +291,12 @@ class EngineMetrics:
         return [judge(tag, s.summary(), self.health, self.draft_misaligned)
                 for tag, s in sorted(self.tag_windows().items())]
 
-    def check_health(self) -> list[HealthReport]:
-        """Judge every tag's window and log (rate-limited) those outside the ranges; returns them."""
+    def check_health(self, draft_misaligned: bool | None = None) -> list[HealthReport]:
+        """Judge every tag's window and log (rate-limited) those outside the ranges; returns them.
+        ``draft_misaligned``: whether the draft rows now sample with other parameters (kept for
+        later reports; None: as last heard)."""
+        if draft_misaligned is not None:
+            self.draft_misaligned = draft_misaligned
         return self._health_log.emit(self.health_reports(), time.monotonic(), self.health)
 
     def snapshot(self) -> dict:

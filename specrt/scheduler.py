@@ -29,13 +29,24 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, NamedTuple
+from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Union
 
 from specrt.config import SamplingParams
-from specrt.controls import TokenLogprob
+from specrt.controls import ControlState, TokenLogprob
 from specrt.metrics import RequestStats
 from specrt.policy import RequestPolicyState
 from specrt.structured import Grammar
+
+if TYPE_CHECKING:   # the drafters' per-request records (annotations only: no import of the drafters at run time)
+    from specrt.drafters.base import PreDraft
+    from specrt.drafters.feature import TargetFeatures
+    from specrt.drafters.ngram import NgramState
+    from specrt.drafters.suffix import SuffixState
+
+# what a drafter keeps per request: a kept pre-draft (model, self:N), its n-gram or suffix index, or
+# the target's features (feature draft); what a lookup in front of a model keeps: an n-gram or suffix index
+DrafterState = Union["PreDraft", "NgramState", "SuffixState", "TargetFeatures"]
+LookupState = Union["NgramState", "SuffixState"]
 
 
 class RequestStatus(enum.Enum):
@@ -88,11 +99,11 @@ class Request:
     # acceptance history (1 = accepted, 0 = rejected) of the last drafted positions, for policies
     accept_history: deque = field(default_factory=lambda: deque(maxlen=64))
     policy_state: RequestPolicyState = field(default_factory=RequestPolicyState)
-    drafter_state: object | None = None   # the drafter's own record for this request (its type is the drafter's)
-    lookup_state: object | None = None    # a model drafter's prompt-lookup index (draft="MODEL+ngram")
+    drafter_state: DrafterState | None = None   # the drafter's own record for this request
+    lookup_state: LookupState | None = None     # a model drafter's prompt-lookup index (draft="MODEL+ngram")
     evidence_class: int | None = None     # what the drafter's current proposal rests on (n-gram: the
                                           # matched suffix length); the budget policy pools acceptance by it
-    controls_state: object | None = None  # specrt.controls.ControlState: history for penalties and bans
+    controls_state: ControlState | None = None  # history for penalties and bans (specrt.controls.control_state)
     grammar: Grammar | None = None        # the compiled grammar of params.structured (at intake)
     output_logprobs: list[TokenLogprob] | None = None         # [num_generated] when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [len(prompt)] once computed (prompt_logprobs)
@@ -158,7 +169,7 @@ class SavedRequest(NamedTuple):
     request: Request
     target_cached: int
     draft_cached: int
-    drafter_state: object
+    drafter_state: DrafterState | None
     num_tokens: int          # KV slots it held
 
 

@@ -630,21 +630,25 @@ def test_draft_quantize_auto_picks_q8_0_with_int8_activations_only_where_vnni_ru
     """The default draft_quantize="auto": Q8_0 + int8 activations for a draft model on a CPU whose int8
     kernel has VNNI, full precision elsewhere and for drafters without a model; None and a kind as given."""
     from specrt import loading, ops
+    from specrt.drafters.spec import parse_draft
+
+    def resolve(quantize, draft, device):   # what the engine asks: the draft string parsed once
+        return loading.resolve_draft_quantize(quantize, parse_draft(draft).loads_model, device)
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(ops, "linear_dynamic_isa", lambda: "avx512vnni")
-    assert loading.resolve_draft_quantize("auto", "some/folder", cpu) == ("q8_0", True)
-    assert loading.resolve_draft_quantize("auto", "some/folder", gpu) == (None, False)
-    assert loading.resolve_draft_quantize("auto", "some/folder+suffix", cpu) == ("q8_0", True)
+    assert resolve("auto", "some/folder", cpu) == ("q8_0", True)
+    assert resolve("auto", "some/folder", gpu) == (None, False)
+    assert resolve("auto", "some/folder+suffix", cpu) == ("q8_0", True)
     for d in (None, "none", "ngram", "ngram:3", "self:2", "suffix", "suffix:scoped=1"):
-        assert loading.resolve_draft_quantize("auto", d, cpu) == (None, False), d
-    assert loading.resolve_draft_quantize(None, "some/folder", cpu) == (None, False)
-    assert loading.resolve_draft_quantize("q4_1", "some/folder", cpu) == ("q4_1", False)
+        assert resolve("auto", d, cpu) == (None, False), d
+    assert resolve(None, "some/folder", cpu) == (None, False)
+    assert resolve("q4_1", "some/folder", cpu) == ("q4_1", False)
     with pytest.raises(ValueError, match="draft_quantize"):
-        loading.resolve_draft_quantize("q3", "some/folder", cpu)
+        resolve("q3", "some/folder", cpu)
     for isa in ("avx2", "scalar"):
         monkeypatch.setattr(ops, "linear_dynamic_isa", lambda isa=isa: isa)
-        assert loading.resolve_draft_quantize("auto", "some/folder", cpu) == (None, False)
+        assert resolve("auto", "some/folder", cpu) == (None, False)
 
 
 @pytest.mark.skipif(not (BUILTIN / "draft" / "config.json").is_file(), reason="built-in pair not present")

@@ -1,5 +1,6 @@
 """Drafters propose K tokens per request for the target to verify; one module per kind, one
-interface (``base.Drafter``), one factory reading the ``draft=`` argument (``factory``).
+interface (``base.Drafter``); the ``draft=`` argument is parsed once (``spec.parse_draft`` ->
+``DraftSpec``) and the factory builds the drafter from that record (``factory``).
 
 - ``model``: a separate small model sharing the target's vocabulary (its own KV cache, same
   block tables as the target), including its catch-up and the overlap pre-draft;
@@ -20,8 +21,10 @@ from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer, NgramState
 from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
+from specrt.drafters.spec import DraftSpec, parse_draft
 from specrt.drafters.size import DRAFT_SIZE_LIMIT, check_draft_size, module_bytes
 
-__all__ = ["DRAFT_SIZE_LIMIT", "DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "Drafter", "FeatureDrafter", "ModelDrafter",
-           "NgramDrafter", "NgramProposer", "NgramState", "PreDraft", "PreLength", "ReducedDrafter", "SelfDrafter",
-           "StopRule", "TargetFeatures", "check_draft_size", "make_drafter", "module_bytes", "no_drafts"]
+__all__ = ["DRAFT_SIZE_LIMIT", "DraftCost", "DraftLimits", "DraftProposal", "DraftSettings", "DraftSpec", "Drafter",
+           "FeatureDrafter", "ModelDrafter", "NgramDrafter", "NgramProposer", "NgramState", "PreDraft", "PreLength",
+           "ReducedDrafter", "SelfDrafter", "StopRule", "TargetFeatures", "check_draft_size", "make_drafter",
+           "module_bytes", "no_drafts", "parse_draft"]

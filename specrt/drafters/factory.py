@@ -1,17 +1,17 @@
-"""The one place that reads the ``draft=`` argument.
+"""Builds the drafter a ``draft=`` argument asks for, from its parsed record
+(specrt.drafters.spec.DraftSpec; the spellings are listed there).
 
-    None / "none"        autoregressive decoding (no drafter)
-    "ngram[:min[:max]]"  prompt lookup (specrt.drafters.ngram)
-    "suffix[:k=v,...]"   suffix drafting over the request's and earlier requests' tokens (specrt.drafters.suffix)
-    "MODEL+ngram" / "MODEL+suffix"   the lookup first, the model where nothing matched (specrt.drafters.lookup);
-                         a model named alone gets SpecConfig.lookup in front (suffix by default)
-    "self:N"             the target's first N layers (specrt.drafters.self_draft)
-    "builtin" / folder   a draft model (specrt.drafters.model)
-    a draft folder       a reduced-vocabulary DraftModel (config.json architectures ["SpecrtDraftModel"],
-                         e.g. "smollm2-135m-draft"): specrt.drafters.reduced (kind "layers") or
-                         specrt.drafters.feature (kind "feature": EAGLE-style, reads the target's states)
+    kind "none"          no drafter
+    kind "ngram"         prompt lookup (specrt.drafters.ngram)
+    kind "suffix"        suffix drafting (specrt.drafters.suffix)
+    kind "self"          the target's first N layers (specrt.drafters.self_draft)
+    kind "model"         a draft model (specrt.drafters.model), or a reduced-vocabulary DraftModel folder
+                         (config.json architectures ["SpecrtDraftModel"], e.g. "smollm2-135m-draft"):
+                         specrt.drafters.reduced (kind "layers") or specrt.drafters.feature (kind
+                         "feature": EAGLE-style, reads the target's states)
+    spec.lookup          the lookup in front of a model or self:N drafter (specrt.drafters.lookup)
 
-Adding a drafter is a new module plus a line here.
+Adding a drafter is a new module, a kind in spec.py and a line here.
 """
 from __future__ import annotations
 
@@ -19,71 +19,71 @@ from pathlib import Path
 
 from specrt.drafters.base import Drafter, DraftSettings
 from specrt.drafters.feature import FeatureDrafter
-from specrt.drafters.lookup import make_lookup
+from specrt.drafters.lookup import PromptLookup, make_lookup
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
 from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
+from specrt.drafters.spec import DraftSpec
 from specrt.drafters.suffix import SuffixDrafter, SuffixSettings
-from specrt.loading import ModelLoader, resolve_model_path
+from specrt.loading import DraftLoader, resolve_model_path
 from specrt.models import check_draft_compatible, load_generation_config
 from specrt.models.draft_model import is_draft_folder, load_draft_for_target
 
 
-def make_drafter(draft, target_path: Path, target, settings: DraftSettings, loader: ModelLoader, dtype,
-                 accept_head: bool = False, lookup: str | None = None) -> Drafter | None:
-    """The drafter for ``draft`` (None: no speculation). ``accept_head``: load the acceptance head
-    stored beside a draft model (policy="head"); other drafters cannot have one. ``lookup``
-    (SpecConfig.lookup): the lookup in front of a model drafter when ``draft`` names none."""
-    kind = draft if isinstance(draft, str) else None
-    named = kind is not None and "+" in kind
-    if named:
-        kind, lookup = kind.rsplit("+", 1)
-    drafter = _make_one(kind if named else draft, kind, target_path, target, settings, loader, dtype, accept_head)
-    if named and not isinstance(drafter, ModelDrafter):
-        raise ValueError(f"draft={draft!r}: a lookup ('+ngram', '+suffix') goes in front of a draft model or "
-                         f"self:N, not {kind!r}")
-    if lookup is not None and isinstance(drafter, ModelDrafter):
-        try:
-            drafter.lookup = make_lookup(lookup, settings.coupled)
-        except ValueError as e:
-            raise ValueError(str(e) if named else f"lookup: {e}") from None
-        drafter.name = f"{drafter.name}+{lookup.split(':', 1)[0]}"
-    return drafter
-
-
-def _make_one(draft, kind: str | None, target_path: Path, target, settings: DraftSettings, loader: ModelLoader,
-              dtype, accept_head: bool) -> Drafter | None:
-    """One drafter, no lookup in front."""
-    if draft is None or kind == "none":
+def make_drafter(spec: DraftSpec, target_path: Path, target, settings: DraftSettings, loader: DraftLoader, dtype,
+                 accept_head: bool = False) -> Drafter | None:
+    """The drafter ``spec`` asks for (None: no speculation). ``accept_head``: load the acceptance
+    head stored beside a draft model (policy="head"); other drafters cannot have one. ``loader``:
+    how a draft model loads (its quantization and dtype, honoured by a DraftModel folder too)."""
+    lookup = _make_lookup(spec, settings) if spec.takes_lookup else None
+    if spec.kind == "none":
         drafter = None
-    elif kind is not None and kind.startswith("ngram"):
-        parts = kind.split(":")[1:]
-        drafter = NgramDrafter(NgramProposer(*(int(p) for p in parts)) if parts else NgramProposer(), settings.device)
-    elif kind is not None and kind.split(":", 1)[0] == "suffix":
-        drafter = SuffixDrafter(SuffixSettings.parse(kind), settings.device, settings.coupled)
-    elif kind is not None and kind.startswith("self:"):
-        drafter = SelfDrafter(target, int(kind.split(":", 1)[1]), settings)
+    elif spec.kind == "ngram":
+        proposer = NgramProposer(*spec.ngram_sizes) if spec.ngram_sizes else NgramProposer()
+        drafter = NgramDrafter(proposer, settings.device)
+    elif spec.kind == "suffix":
+        drafter = SuffixDrafter(SuffixSettings.parse(spec.suffix), settings.device, settings.coupled)
+    elif spec.kind == "self":
+        drafter = SelfDrafter(target, spec.self_layers, settings, lookup=lookup)
     else:
-        draft_path = resolve_model_path(draft, "draft")
-        if is_draft_folder(draft_path):
-            if accept_head:
-                raise ValueError("policy='head' needs a draft model with an acceptance head; a reduced-vocabulary "
-                                 "draft has none")
-            model = load_draft_for_target(draft_path, target, load_generation_config(target_path),
-                                          getattr(loader, "draft_dtype", None), settings.device,
-                                          getattr(loader, "quantize", None))
-            return (FeatureDrafter if model.config.kind == "feature" else ReducedDrafter)(model, settings)
-        check_draft_compatible(target_path, draft_path)
-        model = loader(draft_path, "draft", dtype, settings.device)
-        head = load_accept_head(draft_path, settings.device) if accept_head else None
-        return ModelDrafter(model, settings, accept_head=head)
+        return _model_drafter(spec.source, target_path, target, settings, loader, dtype, accept_head, lookup)
     if accept_head:
         raise ValueError("policy='head' needs a draft model with an acceptance head (accept_head/ beside it)")
     return drafter
 
 
+def _make_lookup(spec: DraftSpec, settings: DraftSettings) -> PromptLookup | None:
+    """The lookup in front of a model or self:N drafter; a bad one named in ``draft=`` raises as
+    it is, one from SpecConfig.lookup with "lookup: " in front."""
+    if spec.lookup_spec is None:
+        return None
+    try:
+        return make_lookup(spec.lookup_spec, settings.coupled)
+    except ValueError as e:
+        raise ValueError(str(e) if spec.lookup_named else f"lookup: {e}") from None
+
+
+def _model_drafter(source, target_path: Path, target, settings: DraftSettings, loader: DraftLoader, dtype,
+                   accept_head: bool, lookup: PromptLookup | None) -> ModelDrafter:
+    """A draft model's drafter: a DraftModel folder (reduced or feature) or a model of the target's vocabulary."""
+    draft_path = resolve_model_path(source, "draft")
+    if is_draft_folder(draft_path):
+        if accept_head:
+            raise ValueError("policy='head' needs a draft model with an acceptance head; a reduced-vocabulary "
+                             "draft has none")
+        model = load_draft_for_target(draft_path, target, load_generation_config(target_path), loader.dtype,
+                                      settings.device, loader.quantize)
+        return (FeatureDrafter if model.config.kind == "feature" else ReducedDrafter)(model, settings, lookup=lookup)
+    check_draft_compatible(target_path, draft_path)
+    model = loader.load(draft_path, "draft", dtype, settings.device)
+    head = load_accept_head(draft_path, settings.device) if accept_head else None
+    return ModelDrafter(model, settings, accept_head=head, lookup=lookup)
+
+
 def load_accept_head(draft_path: Path, device):
+    """The acceptance head stored in ``draft_path``/accept_head (policy="head"); ValueError naming
+    the command that trains one when there is none."""
     from specrt.models.accept_head import AcceptanceHead
 
     head_dir = draft_path / "accept_head"

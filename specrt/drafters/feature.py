@@ -33,6 +33,7 @@ from torch import nn
 
 from specrt.drafters.base import DraftProposal, DraftSettings, PreDraft
 from specrt.drafters.size import module_bytes
+from specrt.drafters.lookup import PromptLookup
 from specrt.drafters.reduced import ReducedDrafter
 
 MAX_SPANS = 16     # spans a request keeps before they are merged into one (one copy of its lag)
@@ -99,9 +100,9 @@ class FeatureDrafter(ReducedDrafter):
     supports_pre_draft = False    # the catch-up needs the verification's features (module docstring)
     wants_target_hidden = True
 
-    def __init__(self, draft, settings: DraftSettings):
-        """``draft``: a feature DraftModel bound to the target (``load_draft_for_target``)."""
-        super().__init__(draft, settings)
+    def __init__(self, draft, settings: DraftSettings, lookup: PromptLookup | None = None):
+        """``draft``: a feature DraftModel bound to the target (``load_draft_for_target``); ``lookup``: see ModelDrafter."""
+        super().__init__(draft, settings, lookup=lookup)
         H = draft.config.feature_size
         self.target_hidden_layers = draft.config.feature_layers  # EAGLE-3: the layers the verify returns
         # the zeros of unknown features before any verify was seen (later: the target's dtype)

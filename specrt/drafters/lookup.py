@@ -28,6 +28,8 @@ LOOKUP_MAX_BATCH = 2
 class PromptLookup:
     """Per-request n-gram proposals (each request's index lives in ``request.lookup_state``)."""
 
+    name = "ngram"        # the lookup's part of its drafter's name ("model+ngram")
+
     def __init__(self, proposer: NgramProposer):
         self.proposer = proposer
 
@@ -76,6 +78,8 @@ class PromptLookup:
 class SuffixPromptLookup(PromptLookup):
     """Suffix drafting in front of a draft model (``draft="MODEL+suffix[:key=value,...]"``): each
     request's most probable suffix chain, when its history (or earlier outputs) matches."""
+
+    name = "suffix"
 
     def __init__(self, spec: str, coupled: bool = False):
         self.suffix = SuffixLookup(SuffixSettings.parse(spec), coupled)

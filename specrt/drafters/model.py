@@ -33,7 +33,9 @@ class ModelDrafter(Drafter):
     grows_trees = True
     reads_target_kv = False   # its pre-draft may run while the verification writes the target's KV
 
-    def __init__(self, model, settings: DraftSettings, accept_head=None, num_layers: int | None = None):
+    def __init__(self, model, settings: DraftSettings, accept_head=None, num_layers: int | None = None,
+                 lookup: PromptLookup | None = None):
+        """``lookup``: drafts first, rows it matches skip the model (draft="MODEL+ngram", SpecConfig.lookup)."""
         self.model = model
         self.settings = settings
         self.accept_head = accept_head        # policy="head": P(accept) from the draft's hidden state
@@ -49,7 +51,8 @@ class ModelDrafter(Drafter):
                         if self._stream is not None else None)
         self._verify_event = None     # recorded by mark_verify: the pre-draft waits for it, not the verification
         self.attended = 0             # context positions the last draft forward attended (all rows)
-        self.lookup: PromptLookup | None = None   # draft="MODEL+ngram": n-gram matches skip the model
+        self.lookup = lookup
+        self.name = f"{self.name}+{lookup.name}" if lookup is not None else self.name   # e.g. "self+ngram"
 
     # -- what the engine asks
     def cache_configs(self) -> dict:

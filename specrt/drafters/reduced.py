@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from specrt.drafters.base import DraftSettings
+from specrt.drafters.lookup import PromptLookup
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.size import module_bytes
 
@@ -22,8 +23,8 @@ class ReducedDrafter(ModelDrafter):
     name = "reduced"
     kind = "layers"           # the DraftModel kind it drafts with (a feature draft: FeatureDrafter)
 
-    def __init__(self, draft, settings: DraftSettings):
-        """``draft``: a DraftModel bound to the target (``load_draft_for_target``)."""
+    def __init__(self, draft, settings: DraftSettings, lookup: PromptLookup | None = None):
+        """``draft``: a DraftModel bound to the target (``load_draft_for_target``); ``lookup``: see ModelDrafter."""
         cfg = draft.config
         if cfg.kind != self.kind:
             raise ValueError(f"{type(self).__name__} drafts with a {self.kind!r} draft, got kind {cfg.kind!r} "
@@ -31,7 +32,7 @@ class ReducedDrafter(ModelDrafter):
         if cfg.target_vocab_size != settings.vocab_size:
             raise ValueError(f"the draft maps into a vocabulary of {cfg.target_vocab_size} tokens, the target has "
                              f"{settings.vocab_size}")
-        super().__init__(draft.causal_lm(), settings)
+        super().__init__(draft.causal_lm(), settings, lookup=lookup)
         self.draft = draft
         self._ids = draft.draft_to_target.to(settings.device)   # [N] target id of each draft logit
 

@@ -10,6 +10,7 @@ next verification writes every position it verifies)."""
 from __future__ import annotations
 
 from specrt.drafters.base import DraftSettings, PreDraft
+from specrt.drafters.lookup import PromptLookup
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.size import module_bytes
 
@@ -19,10 +20,11 @@ class SelfDrafter(ModelDrafter):
     cache_name = "target"
     reads_target_kv = True
 
-    def __init__(self, target, num_layers: int, settings: DraftSettings):
+    def __init__(self, target, num_layers: int, settings: DraftSettings, lookup: PromptLookup | None = None):
+        """``target``'s first ``num_layers`` layers draft; ``lookup``: see ModelDrafter."""
         if not 1 <= num_layers < target.config.num_layers:
             raise ValueError(f"draft='self:N' needs 1 <= N < {target.config.num_layers}, got {num_layers}")
-        super().__init__(target, settings, num_layers=num_layers)
+        super().__init__(target, settings, num_layers=num_layers, lookup=lookup)
 
     def cache_configs(self) -> dict:
         return {}

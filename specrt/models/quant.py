@@ -129,13 +129,15 @@ def quantize_linear_layers_(module: nn.Module, skip: tuple[str, ...] = (), kind:
             if isinstance(sub, nn.Linear) and full not in skip:
                 setattr(child, cname, Int8Linear.from_linear(sub) if kind == "int8"
                         else QuantLinear.from_linear(sub, kind))
-    if hasattr(module, "config") and any(isinstance(m, QuantLinear) for m in module.modules()):
-        names = [n for n, m in module.named_modules() if isinstance(m, QuantLinear)]
-        setattr(module.config, QUANT_FLAG, kind)
-        setattr(module.config, QUANT_MODULES, names)
-        if "lm_head" in names:
-            module.config.tie_word_embeddings = False
+    if hasattr(module, "config") and "lm_head" in quantized_modules(module):
+        module.config.tie_word_embeddings = False   # its own int8 head: the embedding stays float
     return module
+
+
+def quantized_modules(module: nn.Module) -> dict[str, str]:
+    """{name: kind} of every QuantLinear below ``module``, in module order (what save_quantized
+    writes into config.json)."""
+    return {n: m.kind for n, m in module.named_modules() if isinstance(m, QuantLinear)}
 
 
 def _keeps_dtype(key: str, v: torch.Tensor) -> bool:
@@ -143,10 +145,12 @@ def _keeps_dtype(key: str, v: torch.Tensor) -> bool:
 
 
 def save_quantized(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.float16) -> None:
-    """Write config.json (with the int8 flag) + model.safetensors (int8 + scales, rest in dtype)."""
+    """Write config.json (with the int8 flag and the quantized modules' names, when it has any) +
+    model.safetensors (int8 + scales, rest in dtype)."""
     from safetensors.torch import save_file
     os.makedirs(out_dir, exist_ok=True)
-    if getattr(model.config, QUANT_FLAG, "int8") != "int8":
+    quantized = quantized_modules(model)
+    if any(kind != "int8" for kind in quantized.values()):
         raise ValueError("save_quantized writes the int8 format only (quantize with kind='int8')")
     sd = {k: (v if _keeps_dtype(k, v) else v.to(dtype)).contiguous() for k, v in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in sd \
@@ -154,6 +158,8 @@ def save_quantized(model: nn.Module, out_dir: str, dtype: torch.dtype = torch.fl
         del sd["lm_head.weight"]  # tied to model.embed_tokens.weight: store once
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
+    if quantized:
+        cfg[QUANT_FLAG], cfg[QUANT_MODULES] = "int8", list(quantized)
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)

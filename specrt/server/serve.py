@@ -38,17 +38,17 @@ GRACEFUL_SHUTDOWN_EXTRA_S = 3
 
 def _suffix_flags(draft: str | None, scoped: bool, history: int | None) -> str | None:
     """The draft string with --suffix-* folded into its suffix settings; ValueError if they are
-    given without a suffix drafter."""
+    given without a suffix drafter (or a lookup after '+')."""
     if not scoped and history is None:
         return draft
-    head, sep, lookup = (draft or "").rpartition("+")
-    part = lookup if sep else draft or ""
-    if part.split(":", 1)[0] != "suffix":
+    from specrt.drafters.spec import parse_draft
+
+    extra = (["scoped=1"] if scoped else []) + ([f"global_tokens={history}"] if history is not None else [])
+    spec = parse_draft(draft).with_suffix_settings(extra)
+    if spec is None:
         raise ValueError(f"--suffix-scoped / --suffix-history-tokens need a suffix drafter "
                          f"(--draft-model suffix or MODEL+suffix), got {draft!r}")
-    extra = (["scoped=1"] if scoped else []) + ([f"global_tokens={history}"] if history is not None else [])
-    part += (":" if ":" not in part else ",") + ",".join(extra)
-    return f"{head}+{part}" if sep else part
+    return spec.text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,9 +210,9 @@ def engine_kwargs(args) -> dict:
         kw["draft_quantize"] = None
     if getattr(args, "int8_activations", False):
         kw["int8_activations"] = True
-    from specrt.loading import is_model_draft
+    from specrt.drafters.spec import parse_draft
 
-    if ("draft_quantize" in kw or "draft_dtype" in kw) and not is_model_draft(draft):
+    if ("draft_quantize" in kw or "draft_dtype" in kw) and not parse_draft(draft).loads_model:
         raise ValueError("--draft-quantize / --draft-dtype need a draft model (--speculative-decoding with "
                          "--draft-model FOLDER or builtin)")
     return kw
