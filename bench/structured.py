@@ -165,6 +165,10 @@ def generate(args) -> dict:
     for k in args.ks:
         engines[f"k{k}"] = LLM(target=args.target, draft=args.draft, spec=spec(k), device="cpu", dtype=args.dtype,
                                model_loader=loader)
+    if args.default:   # what a user who names the draft gets; one engine per mode (suffix lookup)
+        for kind in ("free", "schema"):
+            engines[f"default_{kind}"] = LLM(target=args.target, draft=args.draft, spec=SpecConfig(), device="cpu",
+                                             dtype=args.dtype, model_loader=loader)
     cases = load_cases()[:args.schemas]
     prompts = [_prompt(ar.tokenizer, c) for c in cases]
     schema = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured=Structured("json_schema",
@@ -178,13 +182,17 @@ def generate(args) -> dict:
     for k in args.ks:
         modes[f"spec_free_k{k}"] = (f"k{k}", None)
         modes[f"spec_schema_k{k}"] = (f"k{k}", "schema")
+    if args.default:
+        modes["spec_free_default"] = ("default_free", None)
+        modes["spec_schema_default"] = ("default_schema", "schema")
 
     def run(m: str, i: int):
         eng, kind = modes[m]
         return engines[eng].generate([prompts[i]], schema[i] if kind else free[i], tags=[m])[0]
 
-    for m in modes:                                   # warm-up: kernels, caches, grammars compiled
-        run(m, 0)
+    for i in range(len(cases)):   # warm-up: kernels, grammars compiled, and every engine holding every
+        for m in modes:           # prompt in its prefix cache (else an engine serving one mode prefills
+            run(m, i)             # cold where one serving two finds its other mode's blocks)
     for llm in engines.values():
         llm.engine.reset_metrics()
     secs = {m: [0.0] * args.repeats for m in modes}
@@ -214,6 +222,9 @@ def generate(args) -> dict:
     for k in args.ks:
         res["ratios"][f"spec_schema_k{k}/ar_schema"] = ratio(f"spec_schema_k{k}", "ar_schema")
         res["ratios"][f"spec_free_k{k}/ar_free"] = ratio(f"spec_free_k{k}", "ar_free")
+    if args.default:
+        res["ratios"]["spec_schema_default/ar_schema"] = ratio("spec_schema_default", "ar_schema")
+        res["ratios"]["spec_free_default/ar_free"] = ratio("spec_free_default", "ar_free")
     for m, (eng, kind) in modes.items():
         st = engines[eng].stats().get("by_tag", {}).get(m, {})
         row = {"tokens_per_s": round(median([toks[m][r] / secs[m][r] for r in range(args.repeats)]), 2),
@@ -243,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="smollm2-135m-draft")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--ks", default="2,4", help="draft lengths of the speculative modes")
+    ap.add_argument("--default", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the default engine (SpecConfig(): trees, suffix lookup, forced drafts)")
     ap.add_argument("--sections", default="masks,generate")
     ap.add_argument("--schemas", type=int, default=None, help="how many of the schemas (from the first; default: all)")
     ap.add_argument("--max-tokens", type=int, default=128)
