@@ -2,7 +2,8 @@
 
 Importing ``specrt._C`` registers every ``torch.ops.specrt`` op (schemas in csrc/*_ops.cpp).
 The helpers below say what this build and CPU offer: the CUDA kernels, and the instruction
-sets the CPU kernels may use (testing hooks: every ISA returns the same bits).
+sets the CPU kernels may use (testing hooks: every ISA returns the same bits), and the greedy
+threshold of the sampling kernels.
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ def suffix_index_class():
 def philox4x32_10_words(counter: list[int], key: list[int]) -> list[int]:
     """The extension's Philox4x32-10 on 32-bit words (ops.philox4x32_10 checks the arguments)."""
     return list(_C.philox4x32_10(counter, key))
+
+
+def greedy_temperature() -> float:
+    """The greedy threshold of csrc/include/specrt/sampling.h (kGreedyTemperature, a float32 value):
+    temperatures below it sample one-hot at the argmax. ``ops.is_greedy`` is the rule in Python."""
+    return float(torch.ops.specrt.greedy_temperature())
 
 
 def attention_cpu_isa(cap: int = -1) -> int:
