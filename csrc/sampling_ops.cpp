@@ -1,5 +1,5 @@
 // specrt's sampling ops — probs_from_logits, verify_greedy, rejection_sample, sample_tokens and
-// the randomness testing hooks uniform_noise / log_det: schemas, op bodies and the CPU
+// the randomness testing hooks uniform_noise / log_det, the greedy threshold: schemas, op bodies and the CPU
 // registrations (the CUDA registrations live in csrc/cuda/sampling_cuda.cu).
 //
 // An op body validates every argument and names it in the error (checks.h),
@@ -218,24 +218,6 @@ at::Tensor sample_tokens_op(const at::Tensor& probs, const at::Tensor& seeds, co
 
 namespace {
 
-// The CPU kernel with the shared header's greedy rule applied to temperature
-// first: rows with is_greedy_temperature(t) get t = 0, which the CPU kernel
-// treats as greedy (the CUDA kernel calls is_greedy_temperature itself).
-void probs_from_logits_cpu_greedy_eps(const at::Tensor& logits, const at::Tensor& temperature,
-                                      const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                                      at::Tensor& probs) {
-  const float* t = temperature.data_ptr<float>();
-  const int64_t rows = temperature.numel();
-  bool rewrite = false;
-  for (int64_t r = 0; r < rows; ++r) rewrite = rewrite || (t[r] != 0.0f && is_greedy_temperature(t[r]));
-  if (!rewrite) return probs_from_logits_cpu(logits, temperature, top_k, top_p, min_p, probs);
-  at::Tensor effective = temperature.clone();
-  float* e = effective.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    if (is_greedy_temperature(e[r])) e[r] = 0.0f;
-  probs_from_logits_cpu(logits, effective, top_k, top_p, min_p, probs);
-}
-
 // ---- testing hooks: the shared header's random numbers, for reference-parity tests -------
 at::Tensor uniform_noise_cpu(const at::Tensor& seeds, const at::Tensor& positions, int64_t purpose,
                              const at::Tensor& index) {
@@ -256,6 +238,9 @@ at::Tensor uniform_noise_cpu(const at::Tensor& seeds, const at::Tensor& position
                                        static_cast<uint32_t>(index.data_ptr<int64_t>()[i]));
   return out;
 }
+
+// The greedy threshold of sampling.h, for specrt.ops (Python's is_greedy reads it).
+double greedy_temperature() { return kGreedyTemperature; }
 
 at::Tensor log_det_cpu(const at::Tensor& x) {
   check_tensor(x, "x", at::kFloat, 1, at::Device(at::kCPU));
@@ -281,6 +266,7 @@ TORCH_LIBRARY_FRAGMENT(specrt, m) {
         "bool check_values=True) -> Tensor");
   m.def("uniform_noise(Tensor seeds, Tensor positions, int purpose, Tensor index) -> Tensor");
   m.def("log_det(Tensor x) -> Tensor");
+  m.def("greedy_temperature() -> float", &specrt::greedy_temperature);  // no tensors: catch-all
 }
 
 TORCH_LIBRARY_IMPL(specrt, CPU, m) {
@@ -288,7 +274,7 @@ TORCH_LIBRARY_IMPL(specrt, CPU, m) {
   m.impl("probs_from_logits", [](const Tensor& logits, const Tensor& temperature, const Tensor& top_k,
                                  const Tensor& top_p, const std::optional<Tensor>& min_p, bool check) {
     return specrt::probs_from_logits_op(logits, temperature, top_k, top_p, min_p, check,
-                                        &specrt::probs_from_logits_cpu_greedy_eps);
+                                        &specrt::probs_from_logits_cpu);
   });
   m.impl("verify_greedy", [](const Tensor& target_logits, const Tensor& draft_token_ids,
                              const Tensor& num_draft_tokens, bool check) {

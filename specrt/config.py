@@ -10,6 +10,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from specrt.ops import is_greedy
+
 POLICIES = ("fixed", "confidence", "head", "budget")
 ADMISSIONS = ("fifo", "acceptance")
 ACCEPTANCE_METHODS = ("rejection", "coupled")
@@ -97,7 +99,8 @@ def _check_bool(name: str, value) -> None:
 
 @dataclass
 class SamplingParams:
-    """How one request samples. temperature 0 is greedy (top_k/top_p/min_p then do nothing).
+    """How one request samples. temperature 0 is greedy (top_k/top_p/min_p then do nothing), and so is
+    any temperature below ``ops.TEMPERATURE_EPS`` (1e-5): ``ops.is_greedy``, the kernels' rule.
 
     top_k 0 (or -1) disables top-k; a top_k at or above the vocabulary size keeps every token,
     the same as 0 (the kernels' contract), so any value up to 2**31 - 1 is accepted. top_p 1.0
@@ -226,8 +229,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when ``temperature`` is 0: argmax decoding, no randomness drawn."""
-        return self.temperature == 0.0
+        """True when ``temperature`` is greedy (``ops.is_greedy``: 0 or below 1e-5): argmax decoding,
+        no randomness drawn."""
+        return is_greedy(self.temperature)
 
 
 def _real_in(name: str, value, lo: float, hi: float, note: str = "") -> float:

@@ -173,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(engines: dict, med: dict, outs: dict, named: list, args) -> int:
+    from specrt.ops import is_greedy
+
     ar = "autoregressive"
     tps = {k: sum(len(o.token_ids) for o in outs[k]) / med[k] for k in med}
-    exact = args.temperature == 0 or args.acceptance == "coupled"
+    exact = is_greedy(args.temperature) or args.acceptance == "coupled"
     print(f"\n{'mode':<40}{'tok/s':>8}{'speedup':>9}{'tok/fwd':>9}{'accepted':>10}  acceptance per draft position")
     ok = True
     for k in engines:

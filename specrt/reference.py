@@ -25,8 +25,6 @@ PURPOSE_RESIDUAL = 3
 PURPOSE_TARGET = 4
 PURPOSES = {"draft": PURPOSE_DRAFT, "accept": PURPOSE_ACCEPT, "residual": PURPOSE_RESIDUAL,
             "target": PURPOSE_TARGET}
-# Temperatures below this float32 value (0 included) are greedy: sampling.h's kGreedyTemperature.
-TEMPERATURE_EPS = float(torch.tensor(1e-5, dtype=torch.float32))
 
 _M32 = 0xFFFFFFFF
 _PHILOX_M0 = 0xD2511F53
@@ -146,12 +144,19 @@ def argmax_nan_low(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # The ops
 # --------------------------------------------------------------------------- #
+def _greedy_temperature() -> float:
+    """The kernels' greedy threshold (sampling.h, kGreedyTemperature), read from the loaded extension:
+    this module sits below specrt.ops (which loads it and holds ``ops.is_greedy``) and keeps no copy."""
+    return float(torch.ops.specrt.greedy_temperature())
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                       top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """temperature -> top-k -> softmax -> min-p -> top-p -> renormalise, per row.
 
-    temperature below TEMPERATURE_EPS (0 included): one-hot at the argmax (NaN as -inf, ties
-    to the lowest index); dividing by a tinier temperature would overflow float32.
+    temperature greedy by the kernels' rule (``ops.is_greedy``: its float32 value not >= the
+    threshold 1e-5, so 0 included): one-hot at the argmax (NaN as -inf, ties to the lowest index);
+    dividing by a tinier temperature would overflow float32. Needs the extension loaded (specrt.ops).
     top_k 0 or >= V: off; otherwise keep every logit >= the k-th largest (ties kept).
     min_p 0 (or None): off; otherwise keep every token with exp(x / t - max) >= min_p, i.e.
     probability >= min_p * the largest probability.
@@ -161,6 +166,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
     """
     n, v = logits.shape
     out = torch.zeros(n, v, dtype=torch.float32)
+    greedy_temperature = _greedy_temperature()
     for row in range(n):
         t = float(torch.as_tensor(temperature[row]).to(torch.float32))   # the kernels read float32
         k = int(top_k[row])
@@ -168,7 +174,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: to
         m_p = 0.0 if min_p is None else float(torch.as_tensor(min_p[row]).to(torch.float32))
         x = logits[row].to(torch.float32)
         x = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
-        if not t >= TEMPERATURE_EPS or not bool(torch.isfinite(x.max())):
+        if not t >= greedy_temperature or not bool(torch.isfinite(x.max())):
             out[row, int(argmax_nan_low(x))] = 1.0
             continue
         x = x / _f32(t)

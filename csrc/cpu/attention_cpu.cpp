@@ -28,6 +28,7 @@
 
 #include "attention_ops.h"
 #include "cpu/attention_tile.h"
+#include "cpu/cpu_isa.h"
 #include "cpu/thread_pool.h"
 #include "specrt/attention.h"
 
@@ -48,24 +49,20 @@ struct Isa {
   bool keys_in_place = false;  // narrow_bf16's many-lane groups read no transposed keys
 };
 
-// The highest level this CPU runs: 4 where AVX-512 F/BW/VL is available (see isa_ops).
+// The highest level the instruction-set ceiling allows (cpu_isa.h): AVX-512 -> 4, AVX2 -> 1.
 int detected_isa() {
-  static const int level = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-      return 4;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
-    return 0;
-  }();
-  return level;
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512: return 4;
+    case CpuIsa::kAvx2: return 1;
+    default: return 0;
+  }
 }
 
 // The level used unless a test caps it: 4 on AMD, whose vector shifts and ands issue beside the fmas
 // (Zen 4), 3 elsewhere (on Intel they share the fma ports, and level 3 is faster there).
 int preferred_isa() {
-  const int d = detected_isa();  // initialises the CPU model first
-  return d == 4 && !__builtin_cpu_is("amd") ? 3 : d;
+  const int d = detected_isa();
+  return d == 4 && !cpu_features().amd ? 3 : d;
 }
 
 std::atomic<int> g_isa_cap{-1};  // -1: preferred_isa()

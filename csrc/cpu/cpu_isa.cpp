@@ -1,8 +1,9 @@
-// Run-time choice of the CPU kernels' instruction set (csrc/cpu/cpu_isa.h),
-// and the debug ops that expose it to tests:
-//   specrt::cpu_isa() -> str            the instruction set in use
+// The one CPU feature detector and instruction-set knob (csrc/cpu/cpu_isa.h), and the debug
+// ops that expose them to tests:
+//   specrt::cpu_isa() -> str            the ceiling in use
 //   specrt::set_cpu_isa(str isa) -> str force "scalar" | "avx2" | "avx512", or
 //                                       "auto" (SPECRT_CPU_ISA, else the best)
+//   specrt::cpu_features() -> str[]     the detected features (cpu_features' true fields)
 //   specrt::cpu_exponential_noise(Tensor u) -> Tensor
 //                                       -log_det(u) on the path in use (tests)
 #include "cpu/cpu_isa.h"
@@ -14,6 +15,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpu/race.h"
 
@@ -62,6 +65,19 @@ at::Tensor cpu_exponential_noise_op(const at::Tensor& uniforms) {
 
 std::string cpu_isa_op() { return cpu_isa_name(cpu_isa()); }
 
+std::vector<std::string> cpu_features_op() {
+  const CpuFeatures& f = cpu_features();
+  const std::pair<bool, const char*> all[] = {
+      {f.avx2, "avx2"},         {f.fma, "fma"},           {f.f16c, "f16c"},
+      {f.avx512f, "avx512f"},   {f.avx512bw, "avx512bw"}, {f.avx512vl, "avx512vl"},
+      {f.avx512dq, "avx512dq"}, {f.avx512vnni, "avx512vnni"}, {f.avx512bf16, "avx512bf16"},
+      {f.amd, "amd"}};
+  std::vector<std::string> out;
+  for (const auto& [on, name] : all)
+    if (on) out.emplace_back(name);
+  return out;
+}
+
 std::string set_cpu_isa_op(const std::string& name) {
   const CpuIsa isa = name == "auto" ? resolve_default() : checked_isa(name, "isa");
   g_isa.store(static_cast<int>(isa));
@@ -70,21 +86,39 @@ std::string set_cpu_isa_op(const std::string& name) {
 
 }  // namespace
 
-bool cpu_isa_supported(CpuIsa isa) {
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = [] {
+    CpuFeatures f;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    f.avx2 = __builtin_cpu_supports("avx2");
+    f.fma = __builtin_cpu_supports("fma");
+    f.f16c = __builtin_cpu_supports("f16c");
+    f.avx512f = __builtin_cpu_supports("avx512f");
+    f.avx512bw = __builtin_cpu_supports("avx512bw");
+    f.avx512vl = __builtin_cpu_supports("avx512vl");
+    f.avx512dq = __builtin_cpu_supports("avx512dq");
+    f.avx512vnni = __builtin_cpu_supports("avx512vnni");
+    f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    f.amd = __builtin_cpu_is("amd");
+#endif
+    return f;
+  }();
+  return features;
+}
+
+bool cpu_isa_supported(CpuIsa isa) {
+  const CpuFeatures& f = cpu_features();
+  const bool avx2 = f.avx2 && f.fma && f.f16c;
   switch (isa) {
     case CpuIsa::kScalar:
       return true;
     case CpuIsa::kAvx2:
-      return __builtin_cpu_supports("avx2");
+      return avx2;
     case CpuIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
   }
   return false;
-#else
-  return isa == CpuIsa::kScalar;
-#endif
 }
 
 const char* cpu_isa_name(CpuIsa isa) {
@@ -112,5 +146,6 @@ CpuIsa cpu_isa() {
 TORCH_LIBRARY_FRAGMENT(specrt, m) {
   m.def("cpu_isa() -> str", &specrt::cpu_isa_op);
   m.def("set_cpu_isa(str isa) -> str", &specrt::set_cpu_isa_op);
+  m.def("cpu_features() -> str[]", &specrt::cpu_features_op);
   m.def("cpu_exponential_noise(Tensor uniforms) -> Tensor", &specrt::cpu_exponential_noise_op);
 }

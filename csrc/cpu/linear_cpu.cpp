@@ -3,6 +3,7 @@
 // the fp32/bf16 plumbing. The kernels are linear_{scalar,avx2,avx512,avx512bf16}.cpp.
 #include "cpu/linear_cpu.h"
 
+#include "cpu/cpu_isa.h"
 #include "cpu/linear_dynamic.h"
 #include "cpu/thread_pool.h"
 
@@ -14,21 +15,13 @@ namespace {
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16"};
 
-int detect_isa() {
-  __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool f16c = __builtin_cpu_supports("f16c");
-  const bool avx512 = avx2 && f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return kAvx512Bf16;
-  if (avx512) return kAvx512;
-  if (avx2 && f16c) return kAvx2;
-  return kScalar;
-}
-
+// The best path the instruction-set ceiling allows (cpu_isa.h); AVX-512 BF16 where the CPU has it.
 int best_isa() {
-  static const int isa = detect_isa();
-  return isa;
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512: return cpu_features().avx512bf16 ? kAvx512Bf16 : kAvx512;
+    case CpuIsa::kAvx2: return kAvx2;
+    default: return kScalar;
+  }
 }
 
 std::atomic<int> g_isa_cap{kAvx512Bf16};
@@ -105,12 +98,8 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
 
 // The int8-activation path in use: 2 = AVX-512 VNNI, 1 = AVX2, 0 = portable (all the same bits).
 int dynamic_isa() {
-  static const bool vnni = [] {
-    __builtin_cpu_init();
-    return best_isa() >= kAvx512 && __builtin_cpu_supports("avx512vnni");
-  }();
   const int cap = std::min(best_isa(), g_isa_cap.load(std::memory_order_relaxed));
-  if (vnni && cap >= kAvx512) return 2;
+  if (cpu_features().avx512vnni && cap >= kAvx512) return 2;
   return cap >= kAvx2 ? 1 : 0;
 }
 

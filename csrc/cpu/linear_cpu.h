@@ -29,7 +29,8 @@ at::Tensor interleave_quant_weight_cpu(const at::Tensor& qweight, linear::Weight
 // The path small_linear_dynamic_cpu runs on now: "avx512vnni", "avx2" or "scalar".
 std::string linear_dynamic_isa();
 
-// ISAs this CPU can run, best first ("avx512bf16", "avx512", "avx2", "scalar").
+// ISAs this CPU can run under the cpu_isa() ceiling (cpu_isa.h), best first ("avx512bf16", "avx512",
+// "avx2", "scalar").
 std::vector<std::string> linear_isa_names();
 // Cap the ISA the kernel uses (testing: all ISAs give identical bits); "" = best.
 // Returns the previous cap.

@@ -57,9 +57,6 @@ uint64_t argmax_chunk(CpuIsa isa, const float* row, int64_t begin, int64_t end) 
   return pack_argmax(ordered_key(row[best]), static_cast<uint32_t>(best));
 }
 
-// Greedy rows: temperature 0 (see docs/architecture.md section 2).
-bool greedy_temperature(float temperature) { return temperature == 0.0f; }
-
 // One row of probs_from_logits; `scratch` is working space. Each pass is one of
 // csrc/cpu/probs.h on the chosen instruction set; the thresholds come from
 // csrc/cpu/probs_select.h (no sort of the row).
@@ -67,7 +64,7 @@ void probs_row(CpuIsa isa, const float* logits, float temperature, int32_t top_k
                int64_t vocab, float* out, std::vector<float>& scratch) {
   const int64_t best = argmax(isa, logits, vocab);
   const float max_logit = logits[best] != logits[best] ? -INFINITY : logits[best];
-  if (greedy_temperature(temperature) || !std::isfinite(max_logit)) {
+  if (is_greedy_temperature(temperature) || !std::isfinite(max_logit)) {
     std::fill(out, out + vocab, 0.0f);
     out[best] = 1.0f;
     return;

@@ -262,7 +262,7 @@ class SuffixLookup:
         # what other requests left (their outputs, the depth rates learned from them) shapes drafts
         # only where it cannot change what this request samples: greedy rows, or coupled acceptance
         # (under rejection sampling a seeded request would otherwise depend on its neighbours)
-        shared = self.coupled or r.params.temperature == 0.0
+        shared = self.coupled or r.params.greedy
         glob = self.indexes.index_for(getattr(r, "tenant", None), False) if shared else None
         for source, idx in (("request", st.index), ("global", glob)):
             if idx is None:

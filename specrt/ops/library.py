@@ -2,7 +2,8 @@
 
 Importing ``specrt._C`` registers every ``torch.ops.specrt`` op (schemas in csrc/*_ops.cpp).
 The helpers below say what this build and CPU offer: the CUDA kernels, and the instruction
-sets the CPU kernels may use (testing hooks: every ISA returns the same bits).
+sets the CPU kernels may use (testing hooks: every ISA returns the same bits; ``SPECRT_CPU_ISA``
+caps all of them), and the greedy threshold of the sampling kernels.
 """
 from __future__ import annotations
 
@@ -45,13 +46,19 @@ def philox4x32_10_words(counter: list[int], key: list[int]) -> list[int]:
     return list(_C.philox4x32_10(counter, key))
 
 
+def greedy_temperature() -> float:
+    """The greedy threshold of csrc/include/specrt/sampling.h (kGreedyTemperature, a float32 value):
+    temperatures below it sample one-hot at the argmax. ``ops.is_greedy`` is the rule in Python."""
+    return float(torch.ops.specrt.greedy_temperature())
+
+
 def attention_cpu_isa(cap: int = -1) -> int:
     """Testing hook: cap the instruction set of the CPU attention kernel (0 portable scalar code,
     1 AVX2+FMA, 2 AVX-512 with every lane group 16 wide, 3 AVX-512 with narrow groups for few
     queries per kv head, 4 the same with the many-lane tile reading a bf16 cache's keys in place;
     -1 only asks) and return the level in use before the call. Without a cap the kernel takes the
-    CPU's preferred level (4 on AMD, 3 on other AVX-512 CPUs). Every level returns the same bits;
-    tests use this to check that."""
+    CPU's preferred level (4 on AMD, 3 on other AVX-512 CPUs) under the ``SPECRT_CPU_ISA`` ceiling
+    (avx2: 1, scalar: 0). Every level returns the same bits; tests use this to check that."""
     return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
 
 
@@ -69,7 +76,8 @@ def linear_dynamic_isa() -> str:
 
 
 def linear_isa_names() -> list[str]:
-    """ISAs the linear kernel can use on this CPU, best first (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
+    """ISAs the linear kernel can use on this CPU under the ``SPECRT_CPU_ISA`` ceiling, best first
+    (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
     return list(torch.ops.specrt.linear_isa_names())
 
 

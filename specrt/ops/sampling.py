@@ -2,29 +2,43 @@
 the plain sampler, and the randomness testing hooks (docs/architecture.md sections 2 and 3)."""
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import torch
 
 from specrt.ops.checks import _as, _bool, _check_values, _cpu_only, _float_input, _has_kernels, _index, \
     _same_device, _tensor
-from specrt.ops.library import philox4x32_10_words
+from specrt.ops.library import greedy_temperature, philox4x32_10_words
 
 PURPOSES = {"draft": 1, "accept": 2, "residual": 3, "target": 4}
 """The Philox streams, by name: a random number's purpose is part of its counter (``uniform_noise``)."""
 METHODS = ("rejection", "coupled")
 """The acceptance rules of ``rejection_sample`` and ``rejection_sample_tree`` (their ``method``)."""
-TEMPERATURE_EPS = 1e-5
-"""Temperatures below this (0 included) are greedy in ``probs_from_logits``: a one-hot row at the argmax
-(csrc/include/specrt/sampling.h, kGreedyTemperature)."""
+TEMPERATURE_EPS = greedy_temperature()
+"""Temperatures below this float32 value (1e-5; 0 included) are greedy: ``is_greedy``. Read from the
+extension (csrc/include/specrt/sampling.h, kGreedyTemperature), never written down twice."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """The one greedy rule in Python, the kernels' (sampling.h, is_greedy_temperature): a temperature
+    is greedy, a one-hot row at the argmax, when its float32 value is not >= ``TEMPERATURE_EPS``
+    (0, tiny, negative and NaN temperatures are greedy). The float32 rounding is the kernels': they
+    read temperatures as float32, so a float just below the threshold that rounds up to it samples.
+
+    Examples:
+        >>> ops.is_greedy(0.0), ops.is_greedy(5e-6), ops.is_greedy(0.7)
+        (True, True, False)
+    """
+    return not ctypes.c_float(float(temperature)).value >= TEMPERATURE_EPS
 
 
 def probs_from_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p=None,
                       check_values: bool | None = None) -> torch.Tensor:
     """The one sampling transform: temperature -> top-k -> softmax -> min-p -> top-p -> renormalise.
 
-    Shape: logits [N, V] (any float dtype), temperature [N] (below
-    ``TEMPERATURE_EPS`` = 1e-5, 0 included: greedy), top_k [N] (0 = off),
+    Shape: logits [N, V] (any float dtype), temperature [N] (greedy where
+    ``is_greedy``: below ``TEMPERATURE_EPS`` = 1e-5, 0 included), top_k [N] (0 = off),
     top_p [N] in (0, 1] (1 = off), min_p [N] in [0, 1] or None (0 = off).
     Returns: probs [N, V] float32. Greedy rows are one-hot at the argmax
     (NaN counts as -inf, ties to the lowest index). Ties at the top-k / top-p

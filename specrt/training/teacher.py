@@ -230,10 +230,12 @@ def generate_and_record(target, prompts: list[list[int]], temperatures: list[flo
 def _sample_next(rows: list[_Row], gen: torch.Generator) -> list[int]:
     """Each row's next token from its latest teacher row: argmax at temperature 0, else a sample
     from softmax(log-probs / T) over the stored top-k (the top-k of the full distribution)."""
+    from specrt.ops import is_greedy
+
     out = []
     for r in rows:
         ids, lp = r.ids[-1][-1], r.logprobs[-1][-1].float()
-        if r.temperature <= 0:
+        if is_greedy(r.temperature):
             out.append(int(ids[0]))
         else:
             p = torch.softmax(lp / r.temperature, -1)

@@ -59,10 +59,11 @@ SPECRT_HOST_DEVICE float race_score_at(float weight, const Philox4x32& block, ui
   return race_score(weight, uniform_from_bits(block.v[token & 3u]));
 }
 
-// Temperatures below kGreedyTemperature (0, tiny, negative or NaN) are greedy:
-// a one-hot row at the argmax. Dividing float32 logits by a smaller positive
-// temperature overflows (x / t = inf, inf - inf = NaN) for ordinary logits.
-// specrt/reference.py (TEMPERATURE_EPS) and specrt/ops/ mirror this rule.
+// The one greedy rule: temperatures below kGreedyTemperature (0, tiny, negative
+// or NaN) are greedy, a one-hot row at the argmax. Dividing float32 logits by a
+// smaller positive temperature overflows (x / t = inf, inf - inf = NaN) for
+// ordinary logits. The extension exposes the threshold (specrt::greedy_temperature),
+// which Python's one copy of the rule, specrt.ops.is_greedy, reads.
 constexpr float kGreedyTemperature = 1e-5f;
 
 SPECRT_HOST_DEVICE bool is_greedy_temperature(float t) { return !(t >= kGreedyTemperature); }
