@@ -1,4 +1,4 @@
-"""The import graph keeps the layer order of README.md's Layout section: every specrt module's
+"""The import graph keeps the layer order of docs/architecture.md's layout (section 1): every specrt module's
 imports (parsed with ast, lazy ones inside functions included) point down the list, and no
 modules import each other in a loop. The bench/ package sits above the runtime and uses only
 its public names."""
@@ -51,7 +51,7 @@ LAYERS = [
     "bench",
 ]
 
-# Upward imports allowed, each lazy (inside a function) and named in README.md's Layout section.
+# Upward imports allowed, each lazy (inside a function) and named in docs/architecture.md's layout (section 1).
 ALLOWED_UPWARD = {
     ("specrt.cli", "bench.cli"),    # `specrt bench` dispatches to the source checkout's bench/ package
 }
@@ -126,7 +126,7 @@ def edges() -> list[tuple[str, str, int, bool]]:
 def unit(module: str) -> str:
     """The LAYERS entry a module belongs to (its longest listed prefix)."""
     best = max((u for u in LAYERS if module == u or module.startswith(u + ".")), key=len, default=None)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS and README.md's Layout"
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md's layout"
     return best
 
 
@@ -201,13 +201,13 @@ def test_the_checker_sees_lazy_relative_and_dynamic_imports():
     assert any(s == "specrt.cli" and d == "specrt.server" for s, d in found)     # __import__("specrt.server")
 
 
-def test_readme_layout_names_every_layer():
-    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_architecture_layout_names_every_layer():
+    layout = (ROOT / "docs" / "architecture.md").read_text().split("## 1. Layers", 1)[1].split("\n## ", 1)[0]
     for u in LAYERS:
         if u in ("specrt", "specrt._C"):
             continue
         shown = u.replace(".", "/") + ("/" if (ROOT / u.replace(".", "/")).is_dir() else ".py")
-        assert shown.removeprefix("specrt/") in layout or shown in layout, f"{shown} missing from README Layout"
+        assert shown.removeprefix("specrt/") in layout or shown in layout, f"{shown} missing from docs/architecture.md's layout"
     assert "lazy" in layout and "specrt bench" in layout      # the allowed upward import is documented
 
 
