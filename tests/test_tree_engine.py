@@ -345,11 +345,11 @@ def test_nodes_are_priced_by_the_rows_the_whole_batch_adds():
     p = TreePlanner()
     for rows, s in ((1, 0.009), (8, 0.014), (16, 0.022)):
         p.curve.add(rows, s)
-    assert p._node_row(8, 0) == pytest.approx((0.022 - 0.014) / 8)     # rows 9-16: measured
-    assert p._node_row(8, 1) == pytest.approx(0.001)                   # rows 17-24: along the last slope
-    assert p._node_row(8, 2) == math.inf                                # rows 25-32: never verified here
-    assert p._node_row(1, 0) == pytest.approx(0.005 / 7)               # row 2: between 1 and 8
-    assert p._node_row(1, 15) == pytest.approx(0.001) and p._node_row(1, 16) == math.inf
+    assert p._node_row(8, 0, 16) == pytest.approx((0.022 - 0.014) / 8)     # rows 9-16: measured
+    assert p._node_row(8, 1, 16) == pytest.approx(0.001)                   # rows 17-24: along the last slope
+    assert p._node_row(8, 2, 16) == math.inf                                # rows 25-32: never verified here
+    assert p._node_row(1, 0, 16) == pytest.approx(0.005 / 7)               # row 2: between 1 and 8
+    assert p._node_row(1, 15, 16) == pytest.approx(0.001) and p._node_row(1, 16, 16) == math.inf
 
 
 def test_a_losing_trial_ends_early():

@@ -8,24 +8,23 @@ interpolated between counts), so the n-th extra row costs what the curve says it
 average slope: on a CPU the first few rows are nearly free and later ones are not. A request's
 (n+1)-th node is priced at the average row of the block every request's (n+1)-th node adds; one
 block past the largest count ever verified follows the last slope, later ones are not bought
-until a step has verified them (trees grow a node per request at a time into the unknown). A request
-keeps the N best nodes that maximise (1 + expected accepted) / (1 + cost of N rows), costs
+until a step has verified them (trees grow a node per request at a time into the unknown). A
+request keeps the N best nodes that maximise (1 + expected accepted) / (1 + cost of N rows), costs
 relative to the step's time per request. A tree grows a level deeper only for requests whose
 best newest node's calibrated probability repays a draft level and a verify row.
 
 On/off, kept per load (``load_bucket``: 1, 2, 3-4, 5-8, ... requests in the step, since drafting
-may pay for one request and not for eight). Drafting must beat plain decoding: a load never run plain runs one plain step first (the
-baseline), then every tree step's
-speed is compared with the cost model's autoregressive step time for the same batch (or, before it
-has one, the verify curve's time of a step of as many rows as requests; a running average of the
-ratios). Below
+may pay for one request and not for eight). Drafting must beat plain decoding: a load never run
+plain runs one plain step first (the baseline), then every tree step's speed is compared with the
+cost model's autoregressive step time for the same batch (or, before it has one, the verify
+curve's time of a step of as many rows as requests; a running average of the ratios). Below
 ``OFF_BELOW`` drafting stops for ``OFF_STEPS`` steps, then drafts for ``TRIAL_STEPS`` steps and
 stays on only if they averaged above ``ON_ABOVE`` (a trial of several steps, since its first step
 pays the draft's catch-up over everything decoded while it was off; one whose later steps are
 clearly slower than plain ones, by their mean and its standard error, ends after ``TRIAL_CHECK``
-of them: a batch's steps are steady, one request's swing with each step's acceptance). Each failed trial doubles
-the off period (up to ``MAX_OFF_STEPS``); one that pays resets it: where drafting never pays (a
-large batch on one core) the trials' cost falls from a quarter of the steps to a few percent.
+of them: a batch's steps are steady, one request's swing with each step's acceptance). Each
+failed trial doubles the off period (up to ``MAX_OFF_STEPS``); one that pays resets it: where
+drafting never pays (a large batch on one core) the trials' cost falls to a few percent.
 Every ``PROBE_EVERY`` steps ``PROBE_STEPS`` plain steps keep the autoregressive time measured on
 this machine as it is now.
 A step whose first node cannot repay its verify row and a draft level (their costs against the
@@ -36,7 +35,6 @@ After an off period of such steps in a row a trial drafts again and measures tha
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 PROBE_EVERY = 64          # steps between plain probes
@@ -211,17 +209,19 @@ class TreePlanner:
             slope = max(float(costs.verify_coef[1]), 0.0)
             rows = [slope] * max_nodes
         else:
-            rows = [self._node_row(batch_size, n) for n in range(max_nodes)]
+            known = max(self.curve.seconds)
+            rows = [self._node_row(batch_size, n, known) for n in range(max_nodes)]
         return [r * batch_size / step for r in rows], level / step
 
-    def _node_row(self, b: int, n: int) -> float:
+    def _node_row(self, b: int, n: int, known: int) -> float:
         """Seconds one verify row adds when each of ``b`` requests gets its (n+1)-th node: the curve's
         average increment over rows b(n+1) .. b(n+2). Measured (or between measured counts); the first
         block past the largest measured count along the last slope (one node more per request than
         ever verified at this load: exploration); blocks past that unpriced (inf), since on a CPU rows
-        grow dearer as a step turns compute-bound and the last slope would underprice them."""
+        grow dearer as a step turns compute-bound and the last slope would underprice them.
+        ``known``: the largest row count the curve has measured."""
         lo, hi = b * (n + 1), b * (n + 2)
-        if lo > max(self.curve.seconds, default=0):
+        if lo > known:
             return math.inf
         return max(self.curve.at(hi) - self.curve.at(lo), 0.0) / b
 
