@@ -228,6 +228,15 @@ def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_i
                                            presence_penalty[b])
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows) -> None:
+    """In place: -inf at logits[rows[i], t] wherever bit t % 32 of bitmask[i, t // 32] is 0 (t < V)."""
+    V = logits.shape[1]
+    bits = torch.arange(V) % 32
+    for i, r in enumerate(int(x) for x in rows):
+        words = bitmask[i, torch.arange(V) // 32].to(torch.int64) & 0xFFFFFFFF
+        logits[r] = logits[r].masked_fill(((words >> bits) & 1) == 0, float("-inf"))
+
+
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                   num_draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept draft i while it equals the target's argmax at i; emit argmax at the first miss."""

@@ -184,14 +184,11 @@ def _ban_sequences(logits, ctl: BatchControls, states, row_request, row_offset, 
                torch.from_numpy(np.concatenate(hit_tokens)).to(dev, non_blocking=True)] = float("-inf")
 
 
-_BIT = {}     # device -> [32] int32: 1 << i
-
-
 def _mask_grammars(logits, states, row_request, row_offset, draft_token_ids) -> None:
     """structured: each grammar row's allowed tokens after its drafts (the request's matcher moved
     over them: specrt.structured.GrammarState), as one [n, W] int32 bitmask made on the host, then
-    every other token of the row -inf (apply_bitmask). A row after a draft the grammar refuses (or
-    after an EOS draft) is left as it is: it is never read. The drafts come to the host only when a
+    every other token of the row -inf (ops.apply_token_bitmask: one op over all rows). A row after a
+    draft the grammar refuses (or after an EOS draft) is left as it is: it is never read. The drafts come to the host only when a
     grammar row follows some (one intentional copy: a device sync on CUDA, as for bad_words_ids)."""
     rows = [r for r, s in enumerate(states) if s is not None and s.grammar is not None]
     drafts = draft_token_ids.tolist() if any(row_offset[r] for r in rows) else None
@@ -202,51 +199,7 @@ def _mask_grammars(logits, states, row_request, row_offset, draft_token_ids) -> 
         g, o = states[r].grammar, row_offset[r]
         if g.seek(drafts[row_request[r]][:o] if o else []):
             g.fill(bitmask, i)
-    apply_bitmask(logits, rows, bitmask)
-
-
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
-    """In place: -inf at logits[rows[i], t] [R, V] wherever bit t % 32 of bitmask[i, t // 32] ([n, W]
-    int32, W >= V / 32) is 0. CPU float32: word by word in the logits' memory; otherwise one
-    masked_fill on the device over the unpacked bits."""
-    V = logits.shape[1]
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and V % 32 == 0 and logits.is_contiguous():
-        _refuse_by_words(logits.numpy().reshape(logits.shape[0], V // 32, 32), rows, bitmask[:, :V // 32])
-        return
-    dev = logits.device
-    bit = _BIT.get(dev)
-    if bit is None:
-        bit = _BIT[dev] = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32, device=dev)
-    words = torch.from_numpy(bitmask).to(dev, non_blocking=True)                 # [n, W]
-    refused = ((words[:, :, None] & bit) == 0).view(len(rows), -1)[:, :V]       # [n, V] bool
-    if len(rows) == logits.shape[0]:
-        logits.masked_fill_(refused, float("-inf"))
-    else:
-        idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        logits[idx] = logits[idx].masked_fill(refused, float("-inf"))
-
-
-_SHIFTS = np.arange(32, dtype=np.int32)
-
-
-def _refuse_by_words(blocks: np.ndarray, rows: list[int], words: np.ndarray) -> None:
-    """CPU: -inf at every refused token of blocks [R, V/32, 32] (float32, the logits' memory) at
-    ``rows``, from their bitmask words [n, V/32]. A grammar state allows few tokens, so the row is
-    filled with -inf and the words with an allowed token put back (a word of -1 whole, the others
-    bit by bit): several times faster here than a [n, V] masked_fill."""
-    whole = len(rows) == blocks.shape[0]
-    for i, r in enumerate([None] if whole else rows):
-        b, w = (blocks, words) if whole else (blocks[r], words[i])
-        keep = w != 0
-        saved = b[keep]                                  # [k, 32]: the words with an allowed token
-        b.fill(-np.inf)
-        kept = w[keep]
-        mixed = kept != -1
-        if mixed.any():
-            part = saved[mixed]
-            part[((kept[mixed][:, None] >> _SHIFTS) & 1) == 0] = -np.inf
-            saved[mixed] = part
-        b[keep] = saved
+    ops.apply_token_bitmask(logits, bitmask, rows, check_values=False)
 
 
 # ----------------------------------------------------------------------------- log-probabilities

@@ -1,7 +1,7 @@
 """Every CUDA kernel of csrc/cuda, unchanged, run on the CPU by the SIMT emulator (csrc/emu/README.md)
 and compared bit for bit with the CPU kernels, under three thread / block orders (forward,
 reverse, shuffled): sampling (probs_from_logits incl. min-p, verify_greedy, rejection_sample,
-coupled, sample_tokens), penalties, paged attention (chunks, combine, tree masks), KV copy / write,
+coupled, sample_tokens), penalties, grammar bitmasks, paged attention (chunks, combine, tree masks), KV copy / write,
 token trees. The cases are the GPU tests' own (tests/_cases.py and the case lists of
 test_cuda_kernels.py, test_tree_verify.py, test_attention_kernel.py, test_tree_attention.py,
 test_controls_kernels.py) at small shapes.
@@ -39,6 +39,7 @@ if _PROBLEM:
 from test_attention_kernel import RAGGED, make_case  # noqa: E402
 from test_controls_kernels import _min_ps, _params, penalty_case  # noqa: E402
 from test_tree_attention import run as tree_attention_run, tree_batch  # noqa: E402
+from test_token_bitmask import bitmask_case  # noqa: E402
 from test_tree_verify import CUDA_CASES as TREE_CASES, MAPPINGS, _caches, _chain_parents, _equal  # noqa: E402
 
 ORDERS = cudaemu.ORDERS
@@ -271,6 +272,22 @@ def test_apply_penalties(seed, cuda):
     got = logits.clone()
     with cuda.active():
         ops.apply_penalties(got, *args)
+    _same(got, want)
+
+
+# --------------------------------------------------------------------------- #
+# grammar token bitmasks
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("v,n,extra", [(33, 3, 1), (2048 + 5, 4, 0), (5000, 2, 2)])
+def test_apply_token_bitmask(dtype, v, n, extra, cuda):
+    logits, words, rows = bitmask_case(gen("bitmask-cuda", v, n), n + 2, v, n, extra)
+    logits = logits.to(dtype)
+    want = logits.clone()
+    ops.apply_token_bitmask(want, words, rows)
+    got = logits.clone()
+    with cuda.active():
+        ops.apply_token_bitmask(got, words, rows)
     _same(got, want)
 
 

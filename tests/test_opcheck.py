@@ -14,7 +14,8 @@ from _cases import gen, random_rows, seeds_positions  # noqa: E402  (tests/ on s
 
 SPECRT = torch.ops.specrt
 OPS = ("probs_from_logits", "verify_greedy", "rejection_sample", "sample_tokens", "copy_blocks", "write_kv",
-       "uniform_noise", "log_det", "apply_penalties", "verify_tree_greedy", "rejection_sample_tree", "copy_slots")
+       "uniform_noise", "log_det", "apply_penalties", "verify_tree_greedy", "rejection_sample_tree", "copy_slots",
+       "apply_token_bitmask")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not (torch.cuda.is_available() and ops.cuda_built()), reason="needs a CUDA GPU and a CUDA build of specrt"))]
 B, K, V = 3, 2, 11
@@ -71,6 +72,10 @@ def _cases(device: str) -> dict[str, list[tuple]]:
                                   (p.clone().requires_grad_(), None, ids, tree_parents, counts, seeds, positions,
                                    "coupled", False)],
         "apply_penalties": [_penalty_args(flat, ids, dev, True), _penalty_args(flat, ids.long(), dev, False)],
+        "apply_token_bitmask": [(flat.clone(), torch.tensor([[5], [-1]], dtype=torch.int32, device=dev),
+                                 torch.tensor([4, 0], device=dev), True),
+                                (flat.clone().bfloat16(), torch.zeros(flat.shape[0], 2, dtype=torch.int32, device=dev),
+                                 torch.arange(flat.shape[0], dtype=torch.int32, device=dev), False)],
     }
     if device == "cpu":   # testing hooks: CPU only
         index = torch.tensor([0, 1, 2**31 - 1])
@@ -102,7 +107,7 @@ def test_every_op_has_a_schema_and_mutations_are_declared():
         schema = getattr(SPECRT, name).default._schema
         mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         assert mutated == {"copy_blocks": ["caches"], "copy_slots": ["caches"], "write_kv": ["cache"],
-                           "apply_penalties": ["logits"]}.get(
+                           "apply_penalties": ["logits"], "apply_token_bitmask": ["logits"]}.get(
             name, []), (name, str(schema))
 
 

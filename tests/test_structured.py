@@ -391,26 +391,6 @@ def test_mixed_batches_and_preemption(pair, ar_greedy):
     assert eng.stats()["preemptions"] > 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3]])
-def test_bitmask_application_paths_agree(dtype, rows):
-    """apply_bitmask's CPU float32 path (word by word in the logits' memory) and its device path
-    (a masked_fill over the unpacked bits) refuse exactly the tokens whose bits are 0."""
-    from specrt.sampling import apply_bitmask
-
-    rng = np.random.default_rng(0)
-    V = 96
-    words = rng.integers(-2 ** 31, 2 ** 31, size=(len(rows), 4), dtype=np.int64).astype(np.int32)
-    words[:, 0], words[:, 1] = 0, -1                      # whole words refused / kept; the rest mixed
-    logits = torch.randn(4, V, dtype=torch.float64).to(dtype)
-    want = logits.clone()
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
-    for i, r in enumerate(rows):
-        want[r, torch.from_numpy(~bits[i])] = float("-inf")
-    apply_bitmask(logits, rows, words)
-    assert torch.equal(logits, want)
-
-
 def test_forced_tokens_are_drafted_without_the_model(pair, monkeypatch):
     """Where the grammar forces the next tokens (here: all of them), they are the draft and no draft
     forward runs; the output stays the autoregressive one. Without them the draft model runs a

@@ -35,14 +35,15 @@ from specrt.ops.fused import FUSED_DTYPES, rms_norm, rotary_write_kv, silu_mul
 from specrt.ops.kv import copy_blocks, copy_slots, paged_attention, write_kv
 from specrt.ops.library import attention_cpu_isa, attention_tile_keys, cuda_built, linear_dynamic_isa, linear_isa_names, set_linear_isa
 from specrt.ops.matmul import QUANT_KINDS, interleave_quant_weight, linear, quant_linear, quant_linear_dynamic
-from specrt.ops.sampling import (METHODS, PURPOSES, TEMPERATURE_EPS, apply_penalties, is_greedy, log_det,
-                                 philox4x32_10, probs_from_logits, rejection_sample, sample_tokens, uniform_noise,
-                                 verify_greedy)
+from specrt.ops.sampling import (METHODS, PURPOSES, TEMPERATURE_EPS, apply_penalties, apply_token_bitmask,
+                                 is_greedy, log_det, philox4x32_10, probs_from_logits, rejection_sample,
+                                 sample_tokens, uniform_noise, verify_greedy)
 from specrt.ops.tree import rejection_sample_tree, verify_tree_greedy
 
 __all__ = [
     "FUSED_DTYPES", "METHODS", "PURPOSES", "QUANT_KINDS", "TEMPERATURE_EPS", "apply_penalties",
-    "attention_cpu_isa", "attention_tile_keys", "copy_blocks", "copy_slots", "cuda_built", "interleave_quant_weight",
+    "apply_token_bitmask", "attention_cpu_isa", "attention_tile_keys", "copy_blocks", "copy_slots", "cuda_built",
+    "interleave_quant_weight",
     "is_greedy", "linear",
     "linear_dynamic_isa", "linear_isa_names", "log_det", "paged_attention", "philox4x32_10", "probs_from_logits",
     "quant_linear", "quant_linear_dynamic", "rejection_sample", "rejection_sample_tree", "rms_norm",

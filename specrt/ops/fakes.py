@@ -13,6 +13,11 @@ def _probs_from_logits_fake(logits, temperature, top_k, top_p, min_p=None, check
     return torch.empty_like(logits)
 
 
+@torch.library.register_fake("specrt::apply_token_bitmask")
+def _apply_token_bitmask_fake(logits, bitmask, rows, check_values=True):
+    return None
+
+
 @torch.library.register_fake("specrt::apply_penalties")
 def _apply_penalties_fake(logits, row_request, row_offset, draft_token_ids, entry_start, entry_token, entry_count,
                           entry_in_prompt, entry_bias, repetition_penalty, frequency_penalty, presence_penalty,

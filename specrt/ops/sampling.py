@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from specrt.ops.checks import _as, _bool, _check_values, _cpu_only, _float_input, _has_kernels, _index, \
@@ -105,6 +106,42 @@ def apply_penalties(logits: torch.Tensor, row_request, row_offset, draft_token_i
     torch.ops.specrt.apply_penalties(logits, row_request, row_offset, draft_token_ids, entry_start, entry_token,
                                      entry_count, entry_in_prompt, entry_bias, *penalties,
                                      _check_values(logits, check_values))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask, rows=None, check_values: bool | None = None) -> None:
+    """A grammar's allowed tokens, in place, for many rows at once: -inf at logits[rows[i], t]
+    wherever bit t % 32 of bitmask[i, t // 32] is 0 (the int32 word layout llguidance and xgrammar
+    fill). Allowed logits keep their bits; bits past V are ignored (csrc/include/specrt/bitmask.h).
+
+    Shape: logits [R, V] float32, bfloat16, float16 or float64 (mutated), bitmask [n, W] int32 with
+    W >= ceil(V / 32) (a numpy array is taken without a copy on the CPU), rows [n] (default: every
+    row, n = R).
+
+    Examples:
+        >>> ops.apply_token_bitmask(logits, bitmask, rows=[2, 5])   # bitmask [2, W]: rows 2 and 5
+    """
+    logits = _tensor(logits, "logits")
+    if isinstance(bitmask, np.ndarray):
+        bitmask = torch.from_numpy(np.ascontiguousarray(bitmask))
+    bitmask = _tensor(bitmask, "bitmask")
+    if bitmask.dtype != torch.int32:
+        raise TypeError(f"bitmask must be an int32 tensor (32 tokens per word), got {bitmask.dtype}")
+    if bitmask.device != logits.device:
+        if bitmask.device.type != "cpu":
+            _same_device(bitmask, "bitmask", logits)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+    if rows is None:
+        if bitmask.dim() != 2 or logits.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
+            raise ValueError(f"bitmask must be [R, W] for the logits' R rows when rows is None, got bitmask "
+                             f"{tuple(bitmask.shape)} for logits {tuple(logits.shape)}")
+        rows = torch.arange(logits.shape[0], dtype=torch.int32, device=logits.device)
+    elif not isinstance(rows, torch.Tensor):
+        rows = list(rows)
+        rows = torch.as_tensor(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        rows = rows.to(logits.device, non_blocking=True)
+    rows = _as(rows, "rows", torch.int32, logits)
+    _has_kernels(logits, "logits")
+    torch.ops.specrt.apply_token_bitmask(logits, bitmask.contiguous(), rows, _check_values(logits, check_values))
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids, num_draft_tokens,
