@@ -11,7 +11,9 @@ masks: time per token on the target's tokenizer (49,152 tokens) of a mask and th
 advance over the token: each schema's example, tokenized, walked token by token; the first walk
 after compiling ("cold") and later walks ("warm"); compile time per schema (llguidance's
 includes the first mask, as specrt.structured.GrammarCompiler computes it). llguidance always (what specrt
-uses); xgrammar too when it is importable (it is not a specrt dependency).
+uses); xgrammar too when it is importable (it is not a specrt dependency). Also: the compile time of
+the largest schema a request may send and how long another thread waited meanwhile, and the fused
+bitmask op against torch's unpack + masked_fill.
 
 generate: greedy, batch 1, chat-templated prompts (the schema in the prompt text), up to
 --max-tokens new tokens. Modes, alternated per prompt in a seeded random order within each
@@ -114,6 +116,9 @@ def masks(target: str, warm_walks: int) -> dict:
             warm += _walk(fill, consume, m.reset, toks)
     out["llguidance"] = _summary(cold, warm, compile_s, init)
     print("llguidance", out["llguidance"], flush=True)
+    out["compile_bounds"] = compile_bounds(comp)
+    out["bitmask_op"] = bitmask_op(V)
+    print("compile bounds", out["compile_bounds"], "bitmask op", out["bitmask_op"], flush=True)
 
     try:
         import xgrammar as xgr
@@ -142,6 +147,81 @@ def masks(target: str, warm_walks: int) -> dict:
     out["xgrammar"] = _summary(cold, warm, compile_s, init)
     print("xgrammar", out["xgrammar"], flush=True)
     return out
+
+
+def compile_bounds(comp) -> dict:
+    """What the largest schema a request may send costs to compile (a synthetic one just under
+    specrt.structured.MAX_SPEC_CHARS), and the longest a 1 ms ticker thread (standing in for the
+    step thread) waited meanwhile: the compile runs off the step thread and releases the GIL."""
+    import threading
+
+    from specrt.structured import MAX_SPEC_CHARS, Structured
+
+    def schema(n: int) -> str:
+        item = lambda i: {"type": "object", "required": ["a", "b", "c"], "properties": {   # noqa: E731
+            "a": {"type": "string", "pattern": "[a-z]{3,9}-[0-9]{2,5}"},
+            "b": {"enum": [f"v{i}_{j}" for j in range(50)]},
+            "c": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99999}}}}
+        return json.dumps({"type": "object", "required": [f"f{i}" for i in range(n)],
+                           "properties": {f"f{i}": item(i) for i in range(n)}})
+
+    n = 1
+    while len(schema(2 * n)) < MAX_SPEC_CHARS:
+        n *= 2
+    while len(schema(n + 64)) < MAX_SPEC_CHARS:
+        n += 64
+    spec = schema(n)
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=tick)
+    th.start()
+    t0 = time.perf_counter()
+    comp.compile(Structured("json_schema", spec))
+    seconds = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])] or [0.0]
+    return {"schema_chars": len(spec), "compile_s": round(seconds, 4), "longest_tick_gap_s": round(max(gaps), 4)}
+
+
+def bitmask_op(V: int, rows: int = 40, repeats: int = 20) -> dict:
+    """specrt's fused apply_token_bitmask against torch's unpack + masked_fill over the same rows
+    (a grammar state: ~300 allowed tokens per row), medians in microseconds, in one run."""
+    from specrt import ops
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.zeros(rows, (V + 31) // 32, dtype=torch.int32)
+    for i in range(rows):
+        idx = torch.randperm(V, generator=g)[:300]
+        for t in idx.tolist():
+            words[i, t // 32] |= (1 << (t % 32)) if t % 32 < 31 else -(1 << 31)
+    logits = torch.randn(rows, V, generator=g)
+    bit = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
+
+    def torch_mask(x):
+        x.masked_fill_(((words[:, :, None] & bit) == 0).view(rows, -1)[:, :V], float("-inf"))
+
+    def timed(fn) -> float:
+        out = []
+        for _ in range(repeats):
+            x = logits.clone()
+            t0 = time.perf_counter()
+            fn(x)
+            out.append(time.perf_counter() - t0)
+        return median(out) * 1e6
+
+    a, b = logits.clone(), logits.clone()
+    ops.apply_token_bitmask(a, words)
+    torch_mask(b)
+    assert torch.equal(a, b)
+    fused, ref = timed(lambda x: ops.apply_token_bitmask(x, words, check_values=False)), timed(torch_mask)
+    return {"rows": rows, "vocab": V, "fused_us": round(fused, 1), "torch_us": round(ref, 1),
+            "speedup": round(ref / fused, 2)}
 
 
 # ------------------------------------------------------------------------------- generation
