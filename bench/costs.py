@@ -157,7 +157,7 @@ def expected_accepted(fixed: dict) -> tuple[float, dict]:
     the first K drafts do not depend on K, e.g. greedy drafting).
     The conditional rate P(i accepted | 0..i-1 accepted) is NOT s_i / s_{i-1}: the two rates are
     taken over different sets of steps (cut-short drafts), so their ratio can exceed 1; the
-    engine counts it directly (``conditional_acceptance_per_position``, see specrt.metrics)."""
+    engine counts it directly (``conditional_acceptance_per_position``, see specrt.observability.metrics)."""
     ks = sorted(int(k) for k in fixed)
     r = (fixed[ks[0]]["acceptance_rate_per_position"] or [0.0])[0]
     surv = fixed[ks[-1]]["acceptance_rate_per_position"]

@@ -10,7 +10,7 @@ For every op and shape it times, interleaved round by round (medians),
             rejection_sample gathers p and q at the drafted ids, draws one uniform per
             position for the accept test and calls torch.multinomial on the normalised
             residual (or p_n); sample_tokens calls torch.multinomial,
-  oracle    specrt/reference.py, the Python-loop specification (only where it is
+  oracle    specrt/ops/reference.py, the Python-loop specification (only where it is
             cheap enough; it is a correctness oracle, not a competitor).
 Ratios are torch_ms / ours_ms and baseline_ms / ours_ms (> 1: specrt is faster).
 
@@ -52,7 +52,8 @@ from bench.kernel_baselines import (baseline_rejection_sample, baseline_sample_t
                                     torch_copy_blocks, torch_coupled, torch_probs_from_logits,
                                     torch_rejection_sample, torch_sample_tokens, torch_verify_greedy,
                                     torch_write_kv)
-from specrt import ops, reference  # noqa: E402
+from specrt import ops  # noqa: E402
+from specrt.ops import reference  # noqa: E402
 
 
 # --------------------------------------------------------------------------- #
@@ -350,7 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2",
                     help="CPU only: comma-separated torch thread counts, one grid each (default 1,2)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
-    ap.add_argument("--no-oracle", action="store_true", help="skip timing specrt/reference.py")
+    ap.add_argument("--no-oracle", action="store_true", help="skip timing specrt/ops/reference.py")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--no-attention", action="store_true",
                     help="skip the attention section (paged attention vs gather + SDPA, bench/attention.py)")

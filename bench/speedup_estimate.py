@@ -3,7 +3,7 @@ speedup? (issue 16, item 3)
 
 The runtime estimates its speedup without running autoregressive decoding: the cost model's fit
 of the engine's own measured plain (K=0) steps prices the emitted tokens, over the measured step
-time (``estimated_speedup`` in ``LLM.stats()``, specrt.metrics). Here an autoregressive engine and
+time (``estimated_speedup`` in ``LLM.stats()``, specrt.observability.metrics). Here an autoregressive engine and
 one speculative engine per drafter decode the same prompts at batch 1, greedy; the modes alternate
 WHOLE passes over the prompts (prompt by prompt would also measure switching the CPU caches
 between models, which a serving process never pays and the estimate cannot see), and every

@@ -4,12 +4,12 @@ The cost model learns the drafting time, the rest of the step as a verification 
 steady plain step's whole time as an autoregressive sample. Each request's ``StepSample`` gets
 its share of the step's time and, once plain steps were measured, what its emitted tokens
 would have cost autoregressively as the machine runs now (the numerator of the speedup
-estimate; specrt.metrics, CostModel.plain_step_now).
+estimate; specrt.observability.metrics, CostModel.plain_step_now).
 """
 from __future__ import annotations
 
 from specrt.drafters import DraftProposal
-from specrt.metrics import EngineMetrics, StepSample
+from specrt.observability.metrics import EngineMetrics, StepSample
 from specrt.policy import CostModel
 from specrt.scheduler import Request
 from specrt.verify import VerifyBatch

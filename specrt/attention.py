@@ -2,7 +2,7 @@
 
 Below both ``specrt.models`` (which reads the metadata and writes K/V) and ``specrt.kv_cache``
 (which builds the metadata from its block tables). ``write_kv`` / ``copy_blocks`` / ``copy_slots``
-are thin wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.reference``.
+are thin wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.ops.reference``.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from specrt.attention import copy_slots
 from specrt.drafters import Drafter, DraftProposal
 from specrt.drafters.tree import node_depths
 from specrt.kv_cache import PagedKVCache
-from specrt.metrics import EngineMetrics, StepSample
+from specrt.observability.metrics import EngineMetrics, StepSample
 from specrt.scheduler import Request
 from specrt.verify import VerifyResult, commit_logprobs
 

@@ -36,8 +36,8 @@ from specrt.loading import ModelLoader, load_target, use_int8_activations
 from specrt.attention import KVWindow
 from specrt.calibration import calibrate
 from specrt.commit import CommitContext, commit_step
-from specrt.health import HealthRanges
-from specrt.metrics import EngineMetrics
+from specrt.observability.health import HealthRanges
+from specrt.observability.metrics import EngineMetrics
 from specrt.intake import RequestIntake
 from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy

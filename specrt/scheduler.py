@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Union
 
 from specrt.config import SamplingParams
 from specrt.controls import ControlState, TokenLogprob
-from specrt.metrics import RequestStats
+from specrt.observability.metrics import RequestStats
 from specrt.policy import RequestPolicyState
 from specrt.structured import Grammar
 

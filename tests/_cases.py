@@ -6,7 +6,7 @@ import zlib
 
 import torch
 
-from specrt import reference
+from specrt.ops import reference
 
 
 def gen(*key) -> torch.Generator:

@@ -1,6 +1,6 @@
 """ops.paged_attention: the paged multi-position attention kernel.
 
-CPU kernel vs the float64 reference (specrt/reference.py) and vs the model's gather + SDPA path
+CPU kernel vs the float64 reference (specrt/ops/reference.py) and vs the model's gather + SDPA path
 on ragged batches (GQA, sliding window, query lengths 1..K+1, contexts spanning several chunks,
 shuffled and shared blocks, fp32 / bf16 / fp16 caches); bit-exact invariances (batch neighbours,
 query count, block size, thread count, instruction set); bad input rejected with errors naming
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 from specrt.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
 from specrt.models.llama import LlamaForCausalLM, paged_attention_sdpa

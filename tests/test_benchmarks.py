@@ -199,7 +199,7 @@ def test_conditional_acceptance_is_the_engines_and_never_above_one():
     """The bench reports P(i accepted | 0..i-1 accepted) as the engine counts it, not as a ratio of
     survival rates taken over different steps: with drafts cut short that ratio is 4 here (the
     report once printed 1.05), the engine's rate 1.0."""
-    from specrt.metrics import RequestStats
+    from specrt.observability.metrics import RequestStats
 
     st = RequestStats()
     for _ in range(3):

@@ -1,10 +1,10 @@
 """The sampling controls' kernels (issue 20): min_p in probs_from_logits and the apply_penalties op.
 
-- min_p: the CPU op against specrt.reference and transformers' MinPLogitsWarper, bit-identical
+- min_p: the CPU op against specrt.ops.reference and transformers' MinPLogitsWarper, bit-identical
   on every CPU instruction set, 0 = off bit for bit, and the definition itself (a token is kept
   iff its probability is at least min_p times the largest).
 - apply_penalties (logit_bias, repetition / frequency / presence penalties at every verified
-  position at once): bit-identical to specrt.reference (the shared header's float math), to
+  position at once): bit-identical to specrt.ops.reference (the shared header's float math), to
   transformers' RepetitionPenaltyLogitsProcessor, and to the OpenAI formula; position i of a
   request sees exactly the history an autoregressive step would (its drafts before i), and the
   thread count changes nothing. CUDA against CPU bit for bit (skipped without a GPU).
@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 from _cases import gen  # noqa: E402  (tests/ on sys.path)
 from test_sampling_simd import VOCABS, _all_isas, _logits_rows, _params  # noqa: E402

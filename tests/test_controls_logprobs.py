@@ -1,6 +1,6 @@
 """Log-probabilities (issue 20): what the engine returns equals the target's log-softmax after the
 sampling transform (to 1e-5 in fp32), whatever the drafter, recomputed here independently from
-transformers' forward over the emitted sequence and specrt.reference's transform.
+transformers' forward over the emitted sequence and specrt.ops.reference's transform.
 
 Definition (specrt.controls): the log of the distribution each token was drawn from (controls,
 temperature, top-k, min-p, top-p: -inf for removed tokens); for a greedy request the log-softmax
@@ -19,7 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _engine_utils import EOS, LLMCache, pair_for_tests  # noqa: E402
 
-from specrt import SamplingParams, reference  # noqa: E402
+from specrt import SamplingParams  # noqa: E402
+from specrt.ops import reference  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [30, 31]]
 TOL = 1e-5

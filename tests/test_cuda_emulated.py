@@ -26,7 +26,8 @@ import pytest
 import torch
 
 import cudaemu
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 from _env import CHILD_CWD, child_env  # noqa: E402
 from _cases import gen, greedy_case, logits_case, random_rows, seeds_positions, spec_case, tree_case, \

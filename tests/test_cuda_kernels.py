@@ -1,6 +1,6 @@
 """CUDA kernels against the CPU kernels on identical inputs (docs/architecture.md sections 2 and 3).
 
-The CPU op is the oracle here (it is itself proven against specrt/reference.py in
+The CPU op is the oracle here (it is itself proven against specrt/ops/reference.py in
 test_ops_reference.py): every token-producing CUDA op must return tokens BIT-IDENTICAL
 to the CPU op; probs_from_logits agrees within 1e-6 with the same support and exactly
 the same one-hot rows; copy_blocks / write_kv are exact for bf16, fp16 and fp32 caches.
@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 from _cases import (gen, greedy_case, logits_case, random_rows, seeds_positions,  # noqa: E402  (tests/ on sys.path)
                     spec_case)

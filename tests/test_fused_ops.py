@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 sys.path.insert(0, str(Path(__file__).parent))
 

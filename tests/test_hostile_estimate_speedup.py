@@ -9,7 +9,7 @@ too high, and it never recovered (a chain engine runs no plain step after calibr
 estimate now scales the reference plain step by how fast the machine runs now: the drafted steps'
 measured verify time over the reference's prediction for them, both references measured
 together (specrt.policy.cost_model, ``plain_step_now``), and it counts the whole step's time
-(specrt.metrics, "estimated speedup").
+(specrt.observability.metrics, "estimated speedup").
 
 These tests compare the estimate with an alternating A/B on the built-in pair within a factor
 of 1.5 (robust on a noisy shared 2-core machine, yet far inside the 3-5x error it had). The goal

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 from specrt.models.linear import KernelPolicy, QuantLinear, quantize
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -20,8 +20,8 @@ from _engine_utils import make_pair  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.health import HealthLog, HealthRanges, judge  # noqa: E402
-from specrt.metrics import EngineMetrics, RequestStats, StepSample  # noqa: E402
+from specrt.observability.health import HealthLog, HealthRanges, judge  # noqa: E402
+from specrt.observability.metrics import EngineMetrics, RequestStats, StepSample  # noqa: E402
 from specrt.policy import CostModel  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -265,10 +265,10 @@ def test_attention_metadata_build():
 
 def _reference_ops():
     try:
-        from specrt import reference
+        from specrt.ops import reference
         return reference
     except Exception:  # noqa: BLE001
-        pytest.skip("specrt.reference not available")
+        pytest.skip("specrt.ops.reference not available")
 
 
 def test_write_kv_and_copy_blocks_match_reference():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 
 def _caches(g):

@@ -15,14 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # A unit is a top-level specrt module or subpackage ("specrt" alone: the package's lazy facade).
 LAYERS = [
     "specrt._C",            # the compiled extension (csrc/)
-    "specrt.reference_linear",   # pure torch: the linear ops' oracle (re-exported by specrt.reference)
-    "specrt.reference",      # pure torch: the oracle, and the ops' fallback for non-CPU tensors
-    "specrt.ops",
+    "specrt.ops",           # the kernels' Python front, and beside them the pure-torch oracle (ops.reference)
     "specrt.structured",
     "specrt.config",
     "specrt.threads",
-    "specrt.health",
-    "specrt.metrics",
+    "specrt.observability",  # metrics and the healthy ranges they are judged against
     "specrt.controls",
     "specrt.attention",
     "specrt.models",

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 from specrt.models.linear import QuantLinear, quantize
 
 sys.path.insert(0, str(Path(__file__).parent))

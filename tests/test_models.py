@@ -161,10 +161,10 @@ def test_decode_batch_of_many_requests(ckpt):
 
 
 def test_torch_fallback_kv_ops_match(ckpt, monkeypatch):
-    """The pure-torch reference write_kv/copy_blocks (specrt.reference) give the same logits as the kernels."""
+    """The pure-torch reference write_kv/copy_blocks (specrt.ops.reference) give the same logits as the kernels."""
     import specrt.kv_cache as kvc
     import specrt.models.llama as llama
-    from specrt import reference
+    from specrt.ops import reference
 
     _, hf, model = ckpt("qwen2")
     prompt = prompt_of(9, 90)

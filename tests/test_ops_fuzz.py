@@ -8,7 +8,7 @@ The property: every call either
 
 * raises ValueError / TypeError / RuntimeError whose message names one of the op's
   arguments, or
-* returns a valid result: with value checks on, exactly what specrt/reference.py returns
+* returns a valid result: with value checks on, exactly what specrt/ops/reference.py returns
   (probabilities to 1e-5 and valid distributions); with them off, outputs of the documented
   shapes and dtypes with token ids in range (the kernels never trust unchecked values).
 
@@ -424,7 +424,7 @@ class _Validate:
 
     def probs_from_logits(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         a = self.before
         logits = a["logits"]
         n, v = logits.shape
@@ -449,7 +449,7 @@ class _Validate:
             assert bool((out[r, : m + 1] >= 0).all()) and bool((out[r, m + 1:] == -1).all()), out
 
     def verify_greedy(self):
-        from specrt import reference
+        from specrt.ops import reference
         a = self.before
         b, k1, v = a["target_logits"].shape
         self._tokens(b, k1, v)
@@ -459,7 +459,7 @@ class _Validate:
 
     def rejection_sample(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         a = self.before
         b, k1, v = a["target_probs"].shape
         self._tokens(b, k1, v)
@@ -472,7 +472,7 @@ class _Validate:
 
     def sample_tokens(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         a = self.before
         n, v = a["probs"].shape
         assert self.result.shape == (n,) and self.result.dtype == torch.int32
@@ -484,7 +484,7 @@ class _Validate:
 
     def copy_blocks(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         assert self.result is None
         caches = self.before["caches"]
         caches = [caches] if isinstance(caches, torch.Tensor) else list(caches)
@@ -495,7 +495,7 @@ class _Validate:
             assert all(_same_bits(x, y) for x, y in zip(after, caches))
 
     def write_kv(self):
-        from specrt import reference
+        from specrt.ops import reference
         assert self.result is None
         if self.checked:
             b = self.before
@@ -516,7 +516,7 @@ class _Validate:
 
     def verify_tree_greedy(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         a = self.before
         b, n1, v = a["target_logits"].shape
         self._tree_tokens(b, n1, v)
@@ -527,7 +527,7 @@ class _Validate:
 
     def rejection_sample_tree(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         a = self.before
         b, n1, v = a["target_probs"].shape
         self._tree_tokens(b, n1, v)
@@ -541,7 +541,7 @@ class _Validate:
 
     def copy_slots(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         assert self.result is None
         caches = self.before["caches"]
         caches = [caches] if isinstance(caches, torch.Tensor) else list(caches)
@@ -553,7 +553,8 @@ class _Validate:
 
     def uniform_noise(self):
         import torch
-        from specrt import reference, ops
+        from specrt import ops
+        from specrt.ops import reference
         a = self.before
         want = reference.uniform(a["seeds"], a["positions"], ops.PURPOSES[a["purpose"]], a["index"])
         assert self.result.dtype == torch.float32 and torch.equal(self.result, want)
@@ -561,7 +562,7 @@ class _Validate:
 
     def log_det(self):
         import torch
-        from specrt import reference
+        from specrt.ops import reference
         x = self.before["x"].float()
         assert self.result.shape == x.shape and self.result.dtype == torch.float32
         normal = (x > 1.1754944e-38) & torch.isfinite(x)

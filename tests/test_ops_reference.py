@@ -1,4 +1,4 @@
-"""Every op against specrt/reference.py (the pure-torch specification) at odd sizes.
+"""Every op against specrt/ops/reference.py (the pure-torch specification) at odd sizes.
 
 Tokens must be EQUAL (the kernels use bit-identical randomness: same Philox counter
 layout, same float32 operation order), num_accepted equal; probs_from_logits agrees to
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 from _cases import (gen, greedy_case, logits_case, random_rows, seeds_positions,  # noqa: E402  (tests/ on sys.path)
                     spec_case)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 # (counter, key) -> output, from Random123's kat_vectors (philox4x32_10)
 KAT = [

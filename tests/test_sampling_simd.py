@@ -21,7 +21,8 @@ import zlib
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 from _env import CHILD_CWD, child_env  # noqa: E402  (tests/ on sys.path)
 
 ISAS = ("scalar", "avx2", "avx512")

@@ -1,6 +1,6 @@
 """The apply_token_bitmask op (issue 36: a grammar's mask as one fused op over all rows, CPU and CUDA).
 
-- The CPU kernel against specrt.reference bit for bit: every dtype, vocabularies that are and are
+- The CPU kernel against specrt.ops.reference bit for bit: every dtype, vocabularies that are and are
   not multiples of 32, words that are all ones, all zeros and mixed, a subset of rows, a bitmask
   wider than the vocabulary (a tokenizer with more ids than the logits).
 - The rule itself, written independently: a token is refused iff its bit is 0, and allowed logits
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 from _cases import gen  # noqa: E402  (tests/ on sys.path)
 

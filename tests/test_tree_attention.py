@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 from specrt.attention import AttentionMetadata
 from specrt.models.attention_path import _plan, paged_attention
 

@@ -1,7 +1,7 @@
 """Token-tree verification (verify_tree_greedy, rejection_sample_tree) and copy_slots
 (docs/architecture.md section 2, "Token trees"; issue 32 parts 4-5).
 
-* the CPU kernels return exactly what specrt/reference.py returns, on random trees (chains,
+* the CPU kernels return exactly what specrt/ops/reference.py returns, on random trees (chains,
   stars, deep and wide trees, empty ones, duplicate siblings, one-hot target rows, a residual
   with no mass), on every CPU instruction set;
 * a chain given as a tree (parents -1, 0, 1, ...) returns the chain ops' tokens and counts bit
@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import attention, ops, reference
+from specrt import attention, ops
+from specrt.ops import reference
 
 from _cases import gen, greedy_case, seeds_positions, spec_case, tree_case, tree_greedy_case  # noqa: E402
 

@@ -1,6 +1,6 @@
 // CPU kernel of apply_token_bitmask (csrc/bitmask_ops.h); the rule is
 // specrt::token_allowed (csrc/include/specrt/bitmask.h), shared with the CUDA
-// kernel, and specrt/reference.py's apply_token_bitmask is its reference.
+// kernel, and specrt/ops/reference.py's apply_token_bitmask is its reference.
 //
 // Word by word: a word of all ones (every token allowed) is skipped, a zero word
 // (a grammar state allows few tokens, so most words) is 32 stores of -inf, and

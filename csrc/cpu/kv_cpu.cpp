@@ -1,5 +1,5 @@
 // CPU kernels of the KV-cache ops: copy_blocks, copy_slots and write_kv
-// (docs/architecture.md section 2). All are plain byte copies; references in specrt/reference.py.
+// (docs/architecture.md section 2). All are plain byte copies; references in specrt/ops/reference.py.
 // kv_ops.cpp has checked shapes and dtypes (mapping values too when check_values is set).
 
 #include <cstring>

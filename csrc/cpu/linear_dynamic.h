@@ -15,7 +15,7 @@
 //   int8: y = scale[n] * R(acc)    q8_0 / q4_0 / q4_1: y = R(acc)
 // where R is the fixed 16-lane tree of linear_kernel.h, then + bias. Integer sums are exact, so
 // the AVX-512-VNNI, AVX2 and portable paths give the same bits for any row count, tiling or
-// thread count (specrt/reference.py reproduces them in torch). Results differ from the float kernel
+// thread count (specrt/ops/reference.py reproduces them in torch). Results differ from the float kernel
 // by the activation rounding (~0.5% of |y| on random data): opt-in only, never the default.
 //
 // Interleaved weight order (a permutation of each row's bytes, same shape and dtype; made once at

@@ -1,6 +1,6 @@
 // CPU kernel of apply_penalties (csrc/penalties_ops.h); the float math is
 // specrt::penalized_logit (csrc/include/specrt/penalties.h), shared with the
-// CUDA kernel, and specrt/reference.py's apply_penalties is its reference.
+// CUDA kernel, and specrt/ops/reference.py's apply_penalties is its reference.
 //
 // Per row: the request's draft tokens before the row are looked up in its
 // sorted entries (binary search), so a row costs O(entries + i log entries)

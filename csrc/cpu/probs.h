@@ -68,7 +68,7 @@ inline int64_t collect_range_scalar(const float* x, int64_t n, float lo, float h
 }
 
 // argmax of x[0..n) with NaN as -inf and ties to the lowest index (an all
-// -inf / NaN row gives 0), as specrt/reference.py's argmax_nan_low.
+// -inf / NaN row gives 0), as specrt/ops/reference.py's argmax_nan_low.
 inline int64_t argmax_scalar(const float* x, int64_t n) {
   float m = -INFINITY;
   for (int64_t v = 0; v < n; ++v) m = x[v] > m ? x[v] : m;

@@ -1,6 +1,6 @@
 // CPU kernels of the sampling ops (docs/architecture.md section 2). The math lives in
 // csrc/include/specrt/sampling.h and is shared with csrc/cuda; the reference
-// of each function is the function of the same name in specrt/reference.py.
+// of each function is the function of the same name in specrt/ops/reference.py.
 //
 // Parallelism: parallel_for (csrc/cpu/thread_pool.h) over (row, vocabulary chunk) tasks, so one
 // request with a 128k vocabulary still uses every core; per-chunk winners are

@@ -2,7 +2,7 @@
 // rejection_sample_tree (docs/architecture.md section 2, "Token trees"). The float math is
 // csrc/include/specrt/tree.h (shared with csrc/cuda/tree_cuda.cu); the
 // reference of each function is the function of the same name in
-// specrt/reference.py.
+// specrt/ops/reference.py.
 //
 // Parallelism: parallel_for (csrc/cpu/thread_pool.h) over requests; one request walks its tree
 // sequentially (each step depends on the one before). Per visited node the

@@ -12,7 +12,7 @@
 //
 // All random numbers come from specrt/philox.h and all the race / acceptance
 // float math from specrt/sampling.h, so tokens are bit-identical to the CPU
-// kernels and to specrt/reference.py. The vocabulary is split across blocks
+// kernels and to specrt/ops/reference.py. The vocabulary is split across blocks
 // (grid.y) for the argmax and the race: every block writes its local best as
 // a packed u64 (score bits << 32 | ~index, see pack_race / pack_argmax) into a
 // [rows, chunks] workspace from the caching allocator, and a finalize kernel

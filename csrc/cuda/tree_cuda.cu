@@ -20,7 +20,7 @@
 //
 // All float math is specrt/tree.h + specrt/sampling.h and all random numbers
 // specrt/philox.h, so tokens are bit-identical to csrc/cpu/tree_cpu.cpp and to
-// specrt/reference.py. Every thread of a CTA computes the same control flow (the
+// specrt/ops/reference.py. Every thread of a CTA computes the same control flow (the
 // node arrays, coins and reduction results are the same for all of them). No
 // host synchronisation: counts, seeds and positions are read on the device.
 // Device inputs are not validated here (tree_ops.cpp does it on the host in

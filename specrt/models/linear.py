@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 from specrt.models.qformats import GROUP, KINDS, pack_q4, quantize
 from specrt.models.qformats import as_half as _as_half
 from specrt.models.qformats import check_kind as _check_kind

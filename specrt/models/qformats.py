@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from specrt import ops, reference
+from specrt import ops
+from specrt.ops import reference
 
 KINDS = ops.QUANT_KINDS  # ("int8", "q8_0", "q4_0", "q4_1")
 GROUP = reference.QUANT_GROUP  # 32 features per scale group

@@ -72,7 +72,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     """
     x2 = _quant_rows(x, kind)
     if x2.device.type != "cpu":
-        from specrt import reference
+        from specrt.ops import reference
         return reference.quant_linear(x, qweight, scales, mins, bias, kind)
     y = torch.ops.specrt.quant_linear(x2, qweight, scales, mins, bias, kind)
     return _unflatten(y, x)
@@ -132,6 +132,6 @@ def interleave_quant_weight(qweight: torch.Tensor, kind: str, inverse: bool = Fa
     if not isinstance(qweight, torch.Tensor):
         raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
     if qweight.device.type != "cpu":
-        from specrt import reference
+        from specrt.ops import reference
         return reference.interleave_quant_weight(qweight, kind, inverse)
     return torch.ops.specrt.interleave_quant_weight(qweight, kind, bool(inverse))

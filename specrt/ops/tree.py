@@ -11,7 +11,7 @@ A chain is the one-child case (parents [-1, 0, 1, ...]) and returns exactly what
 
 The ops are torch.ops.specrt.verify_tree_greedy / rejection_sample_tree (schemas in
 csrc/tree_ops.cpp, CPU kernel csrc/cpu/tree_cpu.cpp, CUDA kernel csrc/cuda/tree_cuda.cu, shared
-math csrc/include/specrt/tree.h, reference specrt/reference.py).
+math csrc/include/specrt/tree.h, reference specrt/ops/reference.py).
 """
 from __future__ import annotations
 

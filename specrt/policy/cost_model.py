@@ -12,7 +12,7 @@ Two linear models fitted by non-negative least squares over the recent steps:
   the draft consumed (catch-up included) and context attended sums each forward's rows'
   sequence lengths.
 
-The speedup estimate's reference (``plain_step_now``, specrt.metrics): what one plain decode step
+The speedup estimate's reference (``plain_step_now``, specrt.observability.metrics): what one plain decode step
 costs the machine NOW. Steady plain steps feeding one token per request are fitted (seconds ~ p0
 + p1 * context + p2 * requests: ``ref_plain``), and so are the verify parts of the drafted steps
 measured within REF_NEAR_STEPS steps and REF_NEAR_S seconds before one (``ref_drafted``: seconds

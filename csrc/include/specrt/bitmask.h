@@ -1,6 +1,6 @@
 // specrt/bitmask.h — the rule of apply_token_bitmask, shared by the CPU kernel
 // (csrc/cpu/bitmask_cpu.cpp) and the CUDA kernel (csrc/cuda/bitmask_cuda.cu),
-// and mirrored by specrt/reference.py (apply_token_bitmask).
+// and mirrored by specrt/ops/reference.py (apply_token_bitmask).
 //
 // A row's allowed tokens are a bitmask of int32 words (the layout llguidance
 // and xgrammar fill): token t is allowed when bit t % 32 of word t / 32 is set.

@@ -6,7 +6,7 @@
 // --fmad=false) evaluate exactly the same IEEE-754 single-precision operations
 // in the same order: no fused multiply-add, no library transcendental
 // functions, no fast-math. That is what makes CPU and CUDA kernels return
-// bit-identical tokens, and what lets specrt/reference.py (pure torch float32
+// bit-identical tokens, and what lets specrt/ops/reference.py (pure torch float32
 // elementwise ops) mirror them bit for bit.
 #pragma once
 

@@ -1,7 +1,7 @@
 // specrt/penalties.h — the float math of apply_penalties, shared by the CPU
 // kernel (csrc/cpu/penalties_cpu.cpp) and the CUDA kernel
 // (csrc/cuda/penalties_cuda.cu), and mirrored operation for operation by
-// specrt/reference.py (apply_penalties), so all three return the same bits.
+// specrt/ops/reference.py (apply_penalties), so all three return the same bits.
 //
 // A token's logit x at one position, given what came before that position:
 //   x + bias                                        logit_bias (OpenAI)

@@ -1,6 +1,6 @@
 // specrt/sampling.h — the float math of accept/reject sampling, shared by the
 // CPU kernels (csrc/cpu) and the CUDA kernels (csrc/cuda), and mirrored
-// operation for operation by specrt/reference.py.
+// operation for operation by specrt/ops/reference.py.
 //
 // Exponential race: sampling token v with probability proportional to w_v is
 //   argmax_v  w_v / E_v,   E_v = -log(U_v),  U_v ~ Uniform(0,1) i.i.d.

@@ -1,7 +1,7 @@
 // specrt/tree.h — the float math of token-tree verification (verify_tree_greedy,
 // rejection_sample_tree), shared by csrc/cpu/tree_cpu.cpp and
 // csrc/cuda/tree_cuda.cu and mirrored operation for operation by
-// specrt/reference.py (rejection_sample_tree and its helpers).
+// specrt/ops/reference.py (rejection_sample_tree and its helpers).
 //
 // A tree is a set of nodes per request: node j has a token and a parent in
 // [-1, j-1] (-1 = the root, the request's pending token); siblings are tried
@@ -35,7 +35,7 @@
 // elements in increasing v starting from +0, then the lanes combine pairwise
 // (tree_mass_from_lanes). The CPU kernel keeps 256 lane accumulators (which
 // vectorise), the CUDA kernel one lane per thread of a 256-thread block;
-// specrt/reference.py's tree_mass spells the order out in torch.
+// specrt/ops/reference.py's tree_mass spells the order out in torch.
 #pragma once
 
 #include "specrt/common.h"

@@ -1,6 +1,6 @@
 """Pure-torch reference of specrt's linear ops, float and weight-only quantized (ops.linear,
 ops.quant_linear, ops.quant_linear_dynamic, ops.interleave_quant_weight): the test oracle of the
-small-M linear kernel (csrc/cpu/linear_kernel.h, linear_dynamic.h). specrt.reference re-exports
+small-M linear kernel (csrc/cpu/linear_kernel.h, linear_dynamic.h). specrt.ops.reference re-exports
 every name, so ``reference.quant_linear`` is this module's."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Speculative-decoding statistics: per request, in aggregate, grouped by request tag,
 by sequence-length bucket and by time window; health against the design's ranges
-(specrt.health); Prometheus text exposition.
+(specrt.observability.health); Prometheus text exposition.
 
 Definitions (per step = one target verification of one request):
 - drafted: draft tokens proposed (K of that step); accepted: how many were kept.
@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specrt.health import CAUSES, METRICS, HealthLog, HealthRanges, HealthReport, judge
+from specrt.observability.health import CAUSES, METRICS, HealthLog, HealthRanges, HealthReport, judge
 
 LENGTH_BUCKETS = (256, 1024, 4096)
 

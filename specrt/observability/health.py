@@ -3,13 +3,13 @@ not, what the engine can see that would explain it.
 
 The ranges are the design's (HealthRanges' defaults): mean accepted length 2.5-4.0 drafts per
 step, first-token acceptance 70-90%, end-to-end speedup 2.0-3.5x (the runtime's estimate, see
-specrt.metrics). Below 50% acceptance the design's troubleshooting applies: check that the draft
+specrt.observability.metrics). Below 50% acceptance the design's troubleshooting applies: check that the draft
 and the target sample alike, the temperature, and reduce K. The causes reported are those the
 engine can observe: misaligned draft sampling parameters, a high temperature, long contexts, a
 draft that costs too much of a step, and more draft tokens than get accepted (reduce K).
 
-Pure functions over summary dicts (specrt.metrics.RequestStats.summary); the rate-limited log
-and the Prometheus series are built on them by specrt.metrics.
+Pure functions over summary dicts (specrt.observability.metrics.RequestStats.summary); the rate-limited log
+and the Prometheus series are built on them by specrt.observability.metrics.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 # the linear ops' references (float and quantized) live in their own module; re-exported here
-from specrt.reference_linear import (QUANT_GROUP, dequantize_weight, interleave_quant_weight,  # noqa: F401
+from specrt.ops.reference_linear import (QUANT_GROUP, dequantize_weight, interleave_quant_weight,  # noqa: F401
                                      linear, quant_linear, quant_linear_dynamic, quantize_activations,
                                      unpack_q4)
 
