@@ -6,13 +6,14 @@ import json
 
 import torch
 
-from bench.models import is_model_draft, model_dir
+from bench.models import model_dir
 from bench.runner import make_llm, shared_loader
 from bench.workloads import CATEGORIES, Settings, build_prompts
 
 
 class BenchContext:
     def __init__(self, target: str, draft: str, device, settings: Settings, log=print, note: str = ""):
+        from specrt.drafters import parse_draft
         from specrt.models import load_config, load_tokenizer
 
         self.target, self.draft, self.device, self.s, self.log = target, draft, device, settings, log
@@ -23,7 +24,7 @@ class BenchContext:
         self.prompts = build_prompts(self.tokenizer, settings.prompts_per_category, settings.max_prompt_tokens)
         self.target_config = load_config(model_dir(target, "target"))   # a folder or a GGUF file
         self.self_layers = max(1, self.target_config.num_layers // 3)
-        self.has_draft_model = is_model_draft(draft)
+        self.has_draft_model = parse_draft(draft).loads_model
         self.drafters = {}           # display name -> draft= argument; n-gram and self:N always run
         if self.has_draft_model:
             self.drafters["model"] = draft
@@ -56,12 +57,14 @@ class BenchContext:
         return self.llms[key]
 
     def _kv_bytes(self, draft, max_batch_size: int, max_model_len: int) -> int:
+        from specrt.drafters import parse_draft
         from specrt.kv_cache import kv_bytes_per_block
         from specrt.models import load_config
 
         configs = [self.target_config]
-        if is_model_draft(draft):
-            configs.append(load_config(model_dir(draft, "draft")))
+        spec = parse_draft(draft)
+        if spec.loads_model:          # the model's own name, without a "+suffix" / "+ngram" lookup
+            configs.append(load_config(model_dir(spec.source, "draft")))
         blocks = max_batch_size * (max_model_len // 16 + 2) + 64
         return int(blocks * kv_bytes_per_block(configs, 16, torch.bfloat16) * 2)
 

@@ -76,11 +76,6 @@ def model_dir(path: str, role: str) -> Path:
     return resolve_model_path(path, role)
 
 
-def is_model_draft(draft) -> bool:
-    """Whether the ``draft=`` argument names a draft model folder (not none / n-gram / self:N)."""
-    return draft not in (None, "none") and not str(draft).startswith(("ngram", "self:"))
-
-
 def random_model(shape, device, dtype, layers: int | None = None):
     """A random-weight specrt LlamaForCausalLM of a named shape, created on the device (no files)."""
     from specrt.models import LlamaForCausalLM, ModelConfig

@@ -107,11 +107,13 @@ def hf_draft(draft: str, dtype, vocab: int):
     """The draft as a transformers model, or ValueError when assisted generation cannot use it."""
     from transformers import AutoModelForCausalLM
 
+    from specrt.drafters import parse_draft
     from specrt.models import resolve_model
 
-    if draft.startswith(("ngram", "self:")):
-        raise ValueError(f"{draft!r} is one of specrt's own drafters, not a model")
-    path = resolve_model(draft, "draft")
+    spec = parse_draft(draft)
+    if not spec.loads_model or spec.lookup_named:      # n-gram, suffix, self:N, or a lookup in front
+        raise ValueError(f"{draft!r} is (or includes) one of specrt's own drafters, not a model alone")
+    path = resolve_model(spec.source, "draft")
     if not (path.is_dir() and (path / "config.json").is_file()):
         raise ValueError(f"{path} is not an HF model folder")
     cfg = json.loads((path / "config.json").read_text())

@@ -75,6 +75,7 @@ def specrt_modes(args, store: dict, skipped: dict) -> list[Mode]:
     """AR, n-gram and each --draft, for the float target and (--target-quantize) a quantized one; on
     the quantized target each draft model once per --draft-quantize kind ("none": as loaded)."""
     import specrt
+    from specrt.drafters import parse_draft
 
     modes = []
     draft_kinds = [None if k == "none" else k for k in (args.draft_quantize or "none").split(",")]
@@ -84,7 +85,7 @@ def specrt_modes(args, store: dict, skipped: dict) -> list[Mode]:
         a8 = bool(quant and args.int8_activations)
         prec = precision_of(args.dtype, quant, a8)
         for draft in [None, "ngram", *args.draft]:
-            model_draft = draft not in (None, "ngram")
+            model_draft = parse_draft(draft).loads_model     # what --draft-quantize applies to
             for dq, k in [(dq, k) for dq in (draft_kinds if quant and model_draft else [None])
                           for k in (args.k if draft else [None])]:
                 name = f"specrt {prec} " + ("AR" if draft is None else draft) + (f" (draft {dq})" if dq else "") \

@@ -24,8 +24,9 @@ def _speedup_vs_batch(a1, a2, bt: dict) -> None:
     for i, m in enumerate(("ar", "fixed", "budget", "ngram_fixed", "ngram_budget")):
         if not all(m in by[str(b)] for b in bs):
             continue
-        label = m.replace("_", " ") if m.startswith("ngram") else (m if m == "ar" else f"{bt['drafter']} {m}")
-        style = "s--" if m.startswith("ngram") else "o-"
+        ngram = m in ("ngram_fixed", "ngram_budget")      # result keys of the batching section
+        label = m.replace("_", " ") if ngram else (m if m == "ar" else f"{bt['drafter']} {m}")
+        style = "s--" if ngram else "o-"
         a1.plot(bs, [by[str(b)][m]["tokens_per_s"] for b in bs], style, color=f"C{i}", label=label)
         if m != "ar":
             a2.plot(bs, [by[str(b)][m]["speedup"] for b in bs], style, color=f"C{i}", label=label)

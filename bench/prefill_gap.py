@@ -74,10 +74,9 @@ def main(argv=None) -> int:
     from specrt import SpecConfig
 
     torch.set_num_threads(args.threads)
-    draft = None if args.draft == "none" else args.draft
     rows, base = [], None
     for chunk in [int(c) for c in args.chunks.split(",")]:
-        llm = specrt.LLM(target=args.target, draft=draft, dtype=getattr(torch, args.dtype),
+        llm = specrt.LLM(target=args.target, draft=args.draft, dtype=getattr(torch, args.dtype),
                          spec=SpecConfig(prefill_chunk=chunk))
         tok = llm.tokenizer
         short = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a long story about a "

@@ -1,6 +1,6 @@
 """The ``draft=`` argument is parsed in one place (specrt.drafters.spec.parse_draft) into a typed
-record that every other module reads; no module passes settings on the side (attributes set on a
-loader function and read back with getattr)."""
+record that every other module, the benchmarks' (bench/) included, reads; no module passes settings
+on the side (attributes set on a loader function and read back with getattr)."""
 from __future__ import annotations
 
 import re
@@ -113,6 +113,8 @@ PARSING = [
     (re.compile(r'\.r?partition\(\s*"\+"'), '.partition("+") / .rpartition("+")'),
     (re.compile(r'startswith\(\s*\(?\s*"(self|ngram|suffix)'), 'startswith("self:" / "ngram" / "suffix")'),
     (re.compile(r'"self:"'), '"self:"'),
+    (re.compile(r'\bdraft\s*(==|!=|\bin\b|\bnot in\b)\s*\(?\s*(None\s*,\s*)?"(none|ngram|suffix|self)'),
+     'draft == "none" / draft not in (None, "ngram")'),
 ]
 SIDE_CHANNELS = [
     (re.compile(r'getattr\(\s*loader\s*,'), "getattr(loader, ...)"),
@@ -122,10 +124,10 @@ SIDE_CHANNELS = [
 ]
 
 
-def offences(patterns, skip: Path | None = None) -> list[str]:
-    """'path:line: what' for every line of specrt/ matching one of ``patterns`` (but ``skip``)."""
+def offences(patterns, skip: Path | None = None, package: str = "specrt") -> list[str]:
+    """'path:line: what' for every line of ``package``/ matching one of ``patterns`` (but ``skip``)."""
     out = []
-    for path in sorted((ROOT / "specrt").rglob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         if path == skip:
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
@@ -141,6 +143,12 @@ def test_only_spec_py_parses_the_draft_string():
     assert not found, "the draft string is parsed outside specrt/drafters/spec.py:\n" + "\n".join(found)
 
 
+def test_the_benchmarks_use_the_same_parser():
+    """bench/ asks parse_draft (e.g. ``.loads_model``) rather than taking the string apart itself."""
+    found = offences(PARSING, package="bench")
+    assert not found, "bench/ parses the draft string itself (use parse_draft):\n" + "\n".join(found)
+
+
 def test_no_side_channels():
     found = offences(SIDE_CHANNELS)
     assert not found, "side channels:\n" + "\n".join(found)
@@ -149,7 +157,10 @@ def test_no_side_channels():
 def test_the_checks_see_what_they_police():
     """The patterns match the code they forbid (else the two tests above pass vacuously)."""
     bad = ['    named = "+" in kind', '    kind, lookup = kind.rsplit("+", 1)', '    head, sep, x = d.rpartition("+")',
-           '    if d.startswith(("ngram", "self:")):', '    elif kind.startswith("self:"):']
+           '    if d.startswith(("ngram", "self:")):', '    elif kind.startswith("self:"):',
+           # what bench/ had before it used parse_draft
+           '    return draft not in (None, "none") and not str(draft).startswith(("ngram", "self:"))',
+           '            model_draft = draft not in (None, "ngram")', '    draft = None if args.draft == "none" else args.draft']
     for line in bad:
         assert any(p.search(line) for p, _ in PARSING), line
     side = ['    x = getattr(loader, "draft_dtype", None)', '    load.quantize, load.draft_dtype = q, d',
