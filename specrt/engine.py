@@ -27,7 +27,8 @@ import torch
 from specrt import ops
 from specrt.config import SamplingParams, SpecConfig
 from specrt.accounting import record_costs, record_samples
-from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_size, make_drafter, no_drafts
+from specrt.drafters import (DraftAsk, Drafter, DraftProposal, DraftSettings, History, ReadsTarget, check_draft_size,
+                             make_drafter, no_drafts)
 from specrt.drafters.spec import parse_draft
 from specrt.drafters.tree import TreeShape
 from specrt.policy.tree import TreePlanner, TreeStep
@@ -99,8 +100,10 @@ class LLMEngine:
         length = getattr(self.drafter, "default_draft_length", None)
         if length is not None and not self.spec.draft_length_named:
             self.spec = replace(self.spec, max_draft_length=length)   # the drafter's own default K
-        self._wants_hidden = bool(getattr(self.drafter, "wants_target_hidden", False))
-        self._hidden_layers = getattr(self.drafter, "target_hidden_layers", None) if self._wants_hidden else None
+        # the optional capabilities, checked once (specrt.drafters.base; pre-drafting: overlap below)
+        self._wants_hidden = isinstance(self.drafter, ReadsTarget)
+        self._hidden_layers = self.drafter.target_hidden_layers if self._wants_hidden else None
+        self._history = self.drafter if isinstance(self.drafter, History) else None
         configs = {"target": self.target.config, **(self.drafter.cache_configs() if self.drafter else {})}
         self.max_model_len = min(c.max_model_len for c in configs.values())
         if self.spec.max_model_len:
@@ -117,7 +120,7 @@ class LLMEngine:
         info = {"overlap": overlap.as_dict(), "draft_size": check_draft_size(self.drafter, self.target),
                 "kv_cache_tokens": self.kv_cache_tokens}
         self.metrics = EngineMetrics(health=health, labels={"model": target_path.name, "draft": self.draft_kind},
-                                     info=info, sources=self.drafter.source_stats if self.drafter is not None else None)
+                                     info=info, sources=self._history.source_stats if self._history is not None else None)
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self.lock = threading.RLock()
@@ -158,7 +161,7 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.bind(self.kv)
         self._commit_ctx = CommitContext(self.kv, self.drafter, self.eos_token_ids, self.max_model_len,
-                                         self.tokenizer.decode, self.device)
+                                         self.tokenizer.decode)
         if getattr(self, "metrics", None) is not None:
             self.metrics.info["kv_cache_tokens"] = self.kv_cache_tokens
 
@@ -201,8 +204,8 @@ class LLMEngine:
         """Forget earlier requests' outputs that drafting reads (suffix drafting's global index),
         e.g. between benchmark repeats of the same prompts; requests in flight keep their own."""
         with self.lock:
-            if self.drafter is not None:
-                self.drafter.forget_outputs()
+            if self._history is not None:
+                self._history.forget_outputs()
 
     def reset_metrics(self) -> None:
         """Start the acceptance statistics (``metrics``) afresh; the cost model is kept."""
@@ -234,8 +237,8 @@ class LLMEngine:
         """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""
         t0 = time.perf_counter()
         self._recorded_until = None
-        if self.drafter is not None:
-            self.drafter.fence()                         # a pre-draft still running (CUDA) before KV writes
+        if self._overlap is not None:
+            self._overlap.fence()                        # a pre-draft still running (CUDA) before KV writes
         for r in self.scheduler.admit():                 # refused for good: the cache can never hold them
             self._finish(r, r.finish_reason, r.error)
         split = split_prefill(list(self.scheduler.running), self.spec.prefill_chunk)   # long prompts: a chunk
@@ -249,7 +252,7 @@ class LLMEngine:
             outs = self._isolate(batch, forced_k, prefill)
         if forced_k is None and time.monotonic() - self._health_checked >= HEALTH_CHECK_EVERY_S:
             self._health_checked = time.monotonic()
-            self.metrics.check_health(draft_misaligned=getattr(self.drafter, "draft_params", None) is not None)
+            self.metrics.check_health(draft_misaligned=self.drafter is not None and self.drafter.draft_params is not None)
         outs = outs + self._drain_finished(exclude={o.request_id for o in outs})
         if self._recorded_until is not None:
             self._untimed_s += time.perf_counter() - self._recorded_until
@@ -283,12 +286,13 @@ class LLMEngine:
                 if self.tree_planner.adaptive:
                     shape = replace(shape, row_costs=tuple(plan.row_costs), level_cost=plan.level_cost,
                                     calibration=plan.calibration)
-                proposal = self.drafter.propose_tree(batch, ks, [depth[r.request_id] for r in batch], shape)
+                proposal = self.drafter.propose(batch, DraftAsk([depth[r.request_id] for r in batch], limits,
+                                                                tree=shape, nodes=ks))
             pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap and nodes is None else None
             t_verify = time.perf_counter()
             vb = build_verify_batch(batch, proposal, self.kv, self.device, prefill)
-            if self.drafter is not None:
-                self.drafter.mark_verify()
+            if self._overlap is not None:
+                self._overlap.mark_verify()
             head = PromptRows.head_of(vb, self.target, self._hidden_layers)   # prompt logprobs: chunked logits
             logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
                                          logits_indices=vb.logits_indices[:len(vb.row_request)] if head is not None
@@ -302,13 +306,14 @@ class LLMEngine:
                 if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order
                     hidden = hidden.index_select(0, path_rows(vb, verified.accepted_nodes, hidden.shape[0]))
                 self.drafter.observe_target(batch + [r for r, _ in prefill], vb, hidden)
-            pre, pre_s = self._overlap.run(batch, ks, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
-            result = to_host(vb, verified, pre)                 # the step's one device->host sync
+            pre, pre_s = self._overlap.run(batch, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
+            result = to_host(vb, verified, {b: p.guess for b, p in pre.items()})   # the step's one device->host sync
         except Exception:
             self.scheduler.restore(saved)
             raise
-        samples, ended = commit_step(self._commit_ctx, self.metrics, batch, proposal, result,
-                                     verify_s=time.perf_counter() - t_verify - pre_s)
+        settle = self._overlap.settler(pre, proposal, result, self.metrics) if self._overlap is not None else None
+        samples, ended = commit_step(self._commit_ctx, batch, proposal, result,
+                                     verify_s=time.perf_counter() - t_verify - pre_s, settle=settle)
         for r, end in prefill:
             r.target_cached = end
         for r in batch:
@@ -389,9 +394,8 @@ class LLMEngine:
             if forced_k is not None:
                 ks = [min(forced_k, c) for c in limits.caps]
             else:
-                catchup = self.drafter.catchup(batch)
                 t0 = time.perf_counter()
-                ks = self.policy.plan(batch, limits.caps, self.costs, catchup=catchup)
+                ks = self.policy.plan(batch, limits.caps, self.costs, catchup=limits.catchup)
                 self.metrics.record_plan(time.perf_counter() - t0)
                 ks = [min(k, c) for k, c in zip(ks, limits.caps)]
         return (self._agree_ks(ks) if self._agree_ks is not None else ks), limits
@@ -463,13 +467,13 @@ class LLMEngine:
     def _propose(self, batch: list[Request], ks: list[int], limits) -> DraftProposal:
         if self.drafter is None:
             return no_drafts(len(batch), self.device)
-        return self.drafter.propose(batch, ks, limits, self.policy.should_stop if self.policy.stops_early else None,
-                                    self.policy.pre_draft_length)
+        return self.drafter.propose(batch, DraftAsk(ks, limits, self.policy.should_stop if self.policy.stops_early
+                                                    else None))
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(r, reason, error)
-        if self.drafter is not None and r.tag not in SYNTHETIC_TAGS:
-            self.drafter.on_finish(r)
+        if self._history is not None and r.tag not in SYNTHETIC_TAGS:
+            self._history.on_finish(r)
         if self.kv.has_request(r.request_id):
             self.kv.free(r.request_id)
         self.metrics.record_finish(reason, len(r.prompt_token_ids))

@@ -38,14 +38,12 @@ from specrt.policy import RequestPolicyState
 from specrt.structured import Grammar
 
 if TYPE_CHECKING:   # the drafters' per-request records (annotations only: no import of the drafters at run time)
-    from specrt.drafters.base import PreDraft
-    from specrt.drafters.feature import TargetFeatures
+    from specrt.drafters.base import DrafterState
     from specrt.drafters.ngram import NgramState
     from specrt.drafters.suffix import SuffixState
 
-# what a drafter keeps per request: a kept pre-draft (model, self:N), its n-gram or suffix index, or
-# the target's features (feature draft); what a lookup in front of a model keeps: an n-gram or suffix index
-DrafterState = Union["PreDraft", "NgramState", "SuffixState", "TargetFeatures"]
+# what a lookup in front of a model keeps: an n-gram or suffix index (a drafter's own record:
+# a DrafterState, defined by its module)
 LookupState = Union["NgramState", "SuffixState"]
 
 

@@ -18,7 +18,7 @@ from specrt import ops
 from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.controls import TokenLogprob
-from specrt.drafters.base import DraftProposal, PreDraft
+from specrt.drafters.base import DraftProposal
 from specrt.drafters.tree import ancestor_mask, node_depths
 from specrt.sampling import (BatchControls, RowLogprobs, apply_controls, batch_controls, logprob_records, mask_eos,
                              pad_rows, param_rows, probs_from_logits, row_logprobs)
@@ -73,8 +73,8 @@ class VerifyResult:
 
     output_token_ids: list[list[int]]  # [B][K+1] emitted tokens: the first num_accepted + 1 are valid
     num_accepted: list[int]            # [B]
-    pre_drafts: dict[int, PreDraft]    # row -> overlap pre-draft made for the next round
-    pre_draft_guess: list[int]         # [B] the bonus token each pre-draft assumed (-1: none)
+    guesses: list[int]                 # [B] each request's token guessed before the verification (the
+                                       # bonus a pre-draft assumed, specrt.overlap), -1: none
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # request b -> rows 0..n_b
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)   # b -> per prompt token
     accepted_nodes: list[list[int]] | None = None   # [B][num_accepted] a tree step's path (node indices)
@@ -350,22 +350,22 @@ def _unflat(host: torch.Tensor, at: int, x: RowLogprobs | None) -> tuple[int, tu
     return at + L + 2 * L * N, (lp, top_lp, top_tok, x.top_n)
 
 
-def to_host(vb: VerifyBatch, verified: Verified, pre: dict[int, PreDraft]) -> VerifyResult:
-    """The step's one intentional device->host sync (tokens, counts, the pre-drafts' guesses and any
-    log-probabilities, all as one int32 tensor)."""
+def to_host(vb: VerifyBatch, verified: Verified, guessed: dict[int, torch.Tensor] | None = None) -> VerifyResult:
+    """The step's one intentional device->host sync (tokens, counts, ``guessed``: {row: a [] token
+    on the device} guessed before the verification, and any log-probabilities, all as one int32 tensor)."""
     tokens, accepted = verified.output_token_ids, verified.num_accepted
     B = tokens.shape[0]
     guesses = torch.full((B,), -1, dtype=torch.int32, device=tokens.device)
-    if pre:
-        idx = torch.tensor(list(pre), dtype=torch.int64).to(tokens.device, non_blocking=True)
-        guesses[idx] = torch.stack([p.guess for p in pre.values()]).to(torch.int32)
+    if guessed:
+        idx = torch.tensor(list(guessed), dtype=torch.int64).to(tokens.device, non_blocking=True)
+        guesses[idx] = torch.stack(list(guessed.values())).to(torch.int32)
     nodes = verified.accepted_nodes
     head = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]]
                      + ([nodes.to(torch.int32)] if nodes is not None else []), 1)
     host = torch.cat([head.reshape(-1)] + _flat(verified.logprobs) + _flat(verified.prompt_logprobs)).cpu()
     table = host[:head.numel()].view(head.shape)
     W = tokens.shape[1]
-    result = VerifyResult(table[:, :W].tolist(), table[:, W].tolist(), pre, table[:, W + 1].tolist())
+    result = VerifyResult(table[:, :W].tolist(), table[:, W].tolist(), table[:, W + 1].tolist())
     if nodes is not None:
         result.accepted_nodes = [row[W + 2:W + 2 + a] for row, a in zip(table.tolist(), result.num_accepted)]
     at, out = _unflat(host, head.numel(), verified.logprobs)

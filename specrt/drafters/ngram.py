@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal, StopRule
+from specrt.drafters.base import DraftAsk, DraftCost, Drafter, DrafterState, DraftLimits, DraftProposal
 
 
 class _Index:
@@ -24,7 +24,7 @@ class _Index:
         self.latest = {n: {} for n in range(min_n, max_n + 1)}   # n -> {n-gram: latest start}
 
 
-class NgramState:
+class NgramState(DrafterState):
     """One request's n-gram index and what its last proposal matched."""
 
     __slots__ = ("index", "match_n")
@@ -117,9 +117,8 @@ class NgramDrafter(Drafter):
         known = {r.request_id: self._propose(r, c) for r, c in zip(batch, caps)}
         return DraftLimits([len(known[r.request_id]) for r in batch], known, time.perf_counter() - t0)
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
-                pre_length=None) -> DraftProposal:
-        B = len(batch)
+    def propose(self, batch, ask: DraftAsk) -> DraftProposal:
+        B, ks, limits = len(batch), ask.ks, ask.limits
         kmax = max(ks) if ks else 0
         ids = torch.full((B, kmax), -1, dtype=torch.int32)
         if kmax == 0:

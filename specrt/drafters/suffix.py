@@ -29,7 +29,7 @@ from typing import Hashable
 
 import torch
 
-from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal
+from specrt.drafters.base import DraftAsk, DraftCost, Drafter, DrafterState, DraftLimits, DraftProposal, History
 from specrt.drafters.tree import is_chain, node_depths
 
 DEFAULT_DRAFT_LENGTH = 16     # suffix drafts run long where the history repeats (max_draft_length's default)
@@ -169,7 +169,7 @@ class DepthRates:
 
 
 @dataclass
-class SuffixState:
+class SuffixState(DrafterState):
     """A request's own index and what this drafter knows about it."""
 
     index: object                 # SuffixIndex over this request's tokens (sequence 0)
@@ -331,10 +331,10 @@ def _shape(tree: SuffixTree, depth_cap: int, rates: DepthRates, min_prob: float)
                       probs, tree.source, tree.match_len)
 
 
-class SuffixDrafter(Drafter):
+class SuffixDrafter(Drafter, History):
     """``draft="suffix"``: no model. ``limit`` looks every request up before planning (its caps:
     the tree's nodes; the engine lets a chain run past the tree budget); ``propose`` drafts each
-    tree's most probable chain, ``propose_tree`` the tree pruned to the step's budget and costs."""
+    tree's most probable chain, or asked for trees the tree pruned to the step's budget and costs."""
 
     name = "suffix"
     caps_vary = True
@@ -359,8 +359,10 @@ class SuffixDrafter(Drafter):
                     chains[r.request_id] = len(prop)
         return DraftLimits(out_caps, known, time.perf_counter() - t0, chains=chains)
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule=None,
-                pre_length=None) -> DraftProposal:
+    def propose(self, batch, ask: DraftAsk) -> DraftProposal:
+        if ask.tree is not None:
+            return self._propose_tree(batch, ask.nodes, ask.tree)
+        ks = ask.ks
         B, kmax = len(batch), max(ks, default=0)
         ids = torch.full((B, kmax), -1, dtype=torch.int32)
         t0 = time.perf_counter()
@@ -376,7 +378,7 @@ class SuffixDrafter(Drafter):
         return DraftProposal(ids.to(self.device), n, None, None,
                              DraftCost(time.perf_counter() - t0, forwards=0, tokens_fed=0))
 
-    def propose_tree(self, batch, budgets: list[int], depths: list[int], shape) -> DraftProposal:
+    def _propose_tree(self, batch, budgets: list[int], shape) -> DraftProposal:
         B = len(batch)
         t0 = time.perf_counter()
         picked, parents, expected = [], [], []
@@ -397,7 +399,7 @@ class SuffixDrafter(Drafter):
         return DraftProposal(ids.to(self.device), [len(t) for t in picked], None, None,
                              DraftCost(time.perf_counter() - t0), node_parents=parents, expected_accepted=expected)
 
-    def on_commit(self, request, row: int, proposal: DraftProposal, pre, kept: bool):
+    def on_commit(self, request, row: int, proposal: DraftProposal):
         self.lookup.record(request, proposal.num_draft_tokens[row], request.target_cached - request.context_len)
         return None
 

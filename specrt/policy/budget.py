@@ -108,9 +108,9 @@ class BudgetPolicy(DraftPolicy):
         return planner.price_row(rate, self.evidence.depth_profile(), cap, self.evidence.fill_of(r), left, lag,
                                  per_token, d_tok, self.tune.max_position_rate)
 
-    def next_k(self, request, k: int, drafted: int, cap: int) -> int:
-        """Overlap: the K planned this step (plans rarely change from one step to the next; a
-        smaller K next step uses the pre-draft's first tokens, a larger one drops it)."""
+    def k_ahead(self, request, k: int, drafted: int, cap: int) -> int:
+        """The K planned this step (plans rarely change from one step to the next; a smaller K
+        next step uses the first of the tokens drafted ahead, a larger one drops them)."""
         return min(k, cap)
 
     # ------------------------------------------------------------------ planning
