@@ -79,6 +79,12 @@ DEFAULTS = {
 }
 
 
+def clamp_k(k: int, *limits: int) -> int:
+    """A draft length k within [0, every limit] (max_draft_length, a request's room, what its
+    drafter can fill): the one place a draft length is clamped."""
+    return max(0, min((k, *limits)))
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -378,18 +384,18 @@ class SpecConfig:
     kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
     # whether max_draft_length was named (else the policy's default, which a drafter may replace:
     # suffix drafting's chains run longer)
-    draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
+    max_draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._resolve_policy()
         d = DEFAULTS[self.policy]
-        self.draft_length_named = self.max_draft_length is not None
+        self.max_draft_length_named = self.max_draft_length is not None
         if self.max_draft_length is None:
             self.max_draft_length = d["max_draft_length"]
         _check_int("max_draft_length", self.max_draft_length, 0, MAX_DRAFT_LENGTH)
         named_min = self.min_draft_length is not None
         if not named_min:
-            self.min_draft_length = min(d["min_draft_length"], self.max_draft_length)
+            self.min_draft_length = clamp_k(d["min_draft_length"], self.max_draft_length)
         _check_int("min_draft_length", self.min_draft_length, 0, self.max_draft_length,
                    " (at most max_draft_length)")
         c = self.confidence_threshold

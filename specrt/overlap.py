@@ -42,7 +42,7 @@ class OverlapStatus:
 @dataclass
 class PrePlan:
     """The next round's pre-draft plan for one step's batch (rows as in the batch)."""
-    next_ks: list[int]                 # [B] the next round's K; 0: no pre-draft for that row
+    ks_ahead: list[int]                # [B] the next round's k; 0: no pre-draft for that row
     stops: list | None                 # [B] the policy's early-stop rule per pre-draft, or None
 
 
@@ -75,8 +75,8 @@ class Overlap:
     """Plans, runs and settles one step's pre-drafts for an engine whose overlap is active."""
 
     def __init__(self, drafter: PreDrafting, policy: DraftPolicy, device: torch.device,
-                 k_cap: Callable[[Request, int], int]):
-        self.drafter, self.policy, self.device, self.k_cap = drafter, policy, device, k_cap
+                 max_k: Callable[[Request, int], int]):
+        self.drafter, self.policy, self.device, self.max_k = drafter, policy, device, max_k
 
     def fence(self) -> None:
         """Before the step's first KV write: it waits for a pre-draft still running (CUDA)."""
@@ -89,23 +89,23 @@ class Overlap:
     def plan(self, batch: list[Request], ks: list[int], proposal: DraftProposal) -> PrePlan:
         """The next K per request (0: none) if all of this round's drafts are accepted, the stop
         rules the policy would apply, and their KV slots (reserved now, before the verify)."""
-        next_ks, stops = [], []
+        ks_ahead, stops = [], []
         for r, n, k in zip(batch, proposal.num_draft_tokens, ks):
-            nk = self.policy.k_ahead(r, k, n, self.k_cap(r, n + 1)) if n > 0 else 0
-            next_ks.append(nk)
-            stops.append(self.policy.stop_rule_ahead(r, n) if nk else None)
-        if not any(next_ks):
-            return PrePlan(next_ks, None)
-        return PrePlan(self.drafter.reserve_pre_draft(batch, proposal, next_ks), stops)
+            ahead = self.policy.k_ahead(r, k, n, self.max_k(r, n + 1)) if n > 0 else 0
+            ks_ahead.append(ahead)
+            stops.append(self.policy.stop_rule_ahead(r, n) if ahead else None)
+        if not any(ks_ahead):
+            return PrePlan(ks_ahead, None)
+        return PrePlan(self.drafter.reserve_pre_draft(batch, proposal, ks_ahead), stops)
 
     def run(self, batch: list[Request], proposal: DraftProposal,
             plan: PrePlan) -> tuple[dict[int, PreDraft], float]:
         """Draft the next round for the planned rows, assuming every draft is accepted. Returns
         ({row: PreDraft}, the host seconds it added on a CPU, where nothing overlaps)."""
-        if not any(plan.next_ks):
+        if not any(plan.ks_ahead):
             return {}, 0.0
         t0 = time.perf_counter()
-        pre = self.drafter.pre_draft(batch, proposal, plan.next_ks, plan.stops, self.policy.replayed_length)
+        pre = self.drafter.pre_draft(batch, proposal, plan.ks_ahead, plan.stops, self.policy.replayed_length)
         return pre, (time.perf_counter() - t0 if self.device.type == "cpu" else 0.0)
 
     def settler(self, pre: dict[int, PreDraft], proposal: DraftProposal, result: VerifyResult,

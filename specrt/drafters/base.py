@@ -3,7 +3,7 @@
 A drafter proposes up to k tokens per request for the target to verify. The engine calls,
 each step:
 
-    limits   = drafter.limit(batch, caps)              # before planning: caps it can fill, its KV lag
+    limits   = drafter.limit(batch, max_ks)            # before planning: what it can fill, its KV lag
     proposal = drafter.propose(batch, DraftAsk(ks, limits, stop_rule))   # a chain per request, or
                                                        # DraftAsk(depths, tree=shape, nodes=budgets): trees
     held     = drafter.on_commit(request, row, proposal)   # per request, after verification
@@ -77,10 +77,10 @@ class DraftCost:
 class DraftLimits:
     """What a drafter can propose this step, found before the policy plans."""
 
-    caps: list[int]                                  # [B] most tokens each request can draft
+    max_ks: list[int]                                # [B] most tokens each request can draft
     known: dict[Hashable, list[int]] = field(default_factory=dict)   # request id -> proposal already
-                                                     # made to find its cap (n-gram); drafts are its prefixes
-    seconds: float = 0.0                             # host time spent finding the caps (the n-gram
+                                                     # made to find its max_k (n-gram); drafts are its prefixes
+    seconds: float = 0.0                             # host time spent finding max_ks (the n-gram
                                                      # search), paid on plain steps too
     chains: dict[Hashable, int] = field(default_factory=dict)   # request id -> length of a proposal that is
                                                      # one chain (verified causally: a tree step may let it
@@ -143,9 +143,9 @@ class Drafter:
     """Base class: proposes nothing beyond what subclasses add; every hook has a safe default."""
 
     name = "none"          # for display (server, metrics); the engine never branches on it
-    caps_vary = False      # proposal lengths come and go every step: the policy must plan every step
+    limits_vary = False    # proposal lengths come and go every step: the policy must plan every step
     grows_trees = False    # ``propose`` grows real trees when asked (else the engine asks for chains)
-    default_draft_length: int | None = None   # max_draft_length when the SpecConfig does not name one
+    default_max_draft_length: int | None = None   # max_draft_length when the SpecConfig does not name one
     draft_params = None    # research hook: the sampling parameters of draft rows (None: the request's)
 
     def cache_configs(self) -> dict:
@@ -164,9 +164,10 @@ class Drafter:
         or None when drafting runs no network (n-gram). Benchmarks time a draft step with it."""
         return None
 
-    def limit(self, batch, caps: list[int]) -> DraftLimits:
-        """Caps this step (at most the engine's caps) and the draft's KV lag (``catchup``)."""
-        return DraftLimits(list(caps))
+    def limit(self, batch, max_ks: list[int]) -> DraftLimits:
+        """The most tokens each request can draft this step (at most the engine's ``max_ks``) and
+        the draft's KV lag (``catchup``)."""
+        return DraftLimits(list(max_ks))
 
     def propose(self, batch, ask: DraftAsk) -> DraftProposal:
         """This step's drafts (``ask``: chains or trees, module docstring)."""

@@ -144,8 +144,8 @@ class FeatureDrafter(ReducedVocab, ModelDrafterBase, ReadsTarget):
         return self.draft(input_ids, positions, meta, self.kv[self.cache_name], features=features,
                           logits_indices=last)
 
-    def _draft(self, batch, ks: list[int], kmax: int, stop_rule) -> DraftProposal:
-        proposal = super()._draft(batch, ks, kmax, stop_rule)
+    def _draft(self, batch, ks: list[int], K: int, stop_rule) -> DraftProposal:
+        proposal = super()._draft(batch, ks, K, stop_rule)
         # keys at context_len and later came from the draft's own features: not kept past the commit
         proposal.draft_cached = [min(d, r.context_len) for d, r in zip(proposal.draft_cached, batch)]
         return proposal

@@ -75,8 +75,8 @@ class ModelDrafterBase(Drafter, History):
     def step_model(self) -> tuple[torch.nn.Module, int | None]:
         return self.model, self.num_layers
 
-    def limit(self, batch, caps: list[int]) -> DraftLimits:
-        return DraftLimits(list(caps), catchup=self.catchup(batch))
+    def limit(self, batch, max_ks: list[int]) -> DraftLimits:
+        return DraftLimits(list(max_ks), catchup=self.catchup(batch))
 
     def catchup(self, batch) -> list[int]:
         """Tokens each request's draft must consume before it can draft: the KV lag (its prompt, the first time)."""
@@ -235,12 +235,12 @@ class ModelDrafterBase(Drafter, History):
         return ops.sample_tokens(q, seeds, pos, purpose="target" if self.settings.coupled else "draft",
                                  check_values=False)
 
-    def _draft(self, batch, ks: list[int], kmax: int, stop_rule: StopRule | None) -> DraftProposal:
+    def _draft(self, batch, ks: list[int], K: int, stop_rule: StopRule | None) -> DraftProposal:
         B, dev, V = len(batch), self.settings.device, self.settings.vocab_size
         need_probs = not self.settings.coupled and any(not r.params.greedy for r in batch)
         greedy = all(r.params.greedy for r in batch)
-        draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)          # [B, K]
-        draft_probs = torch.zeros(B, kmax, V, device=dev) if need_probs else None      # [B, K, V]
+        draft_ids = torch.full((B, K), -1, dtype=torch.int32, device=dev)          # [B, K]
+        draft_probs = torch.zeros(B, K, V, device=dev) if need_probs else None      # [B, K, V]
         n_draft = [0] * B
         # at least the pending last token is fed (positions past the context may hold drafts made earlier)
         cached = [min(self.cached(r), r.context_len - 1) for r in batch]
@@ -263,7 +263,7 @@ class ModelDrafterBase(Drafter, History):
         ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
         hidden = None                   # the last draft step's hidden [rows, H] (when the model returns it)
-        for j in range(kmax):
+        for j in range(K):
             rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
             if not rows:
                 break

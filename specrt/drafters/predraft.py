@@ -176,22 +176,22 @@ class ModelPreDrafting(PreDrafting):
             guess.record_stream(main)
         return guess, base
 
-    def _pre_steps(self, batch, rows: list[int], k_next: list[int], guess, base: list[int], rules: list,
+    def _pre_steps(self, batch, rows: list[int], ks: list[int], guess, base: list[int], rules: list,
                    assumed: "_AssumedHistory | None"):
         """The pre-draft's drafting loop from the guessed bonus; rows with a stop rule stop where
         it says (the token it stops at is not proposed)."""
         dev, V = self.settings.device, self.settings.vocab_size
         reqs = [batch[b] for b in rows]
-        R, kmax = len(rows), max(k_next)
+        R, K = len(rows), max(ks)
         need_probs = not self.settings.coupled and any(not r.params.greedy for r in reqs)
-        out = _PreOut(torch.full((R, kmax), -1, dtype=torch.int32, device=dev),
-                      torch.zeros(R, kmax, V, device=dev) if need_probs else None, list(k_next),
-                      [base[i] + k_next[i] for i in range(R)],
+        out = _PreOut(torch.full((R, K), -1, dtype=torch.int32, device=dev),
+                      torch.zeros(R, K, V, device=dev) if need_probs else None, list(ks),
+                      [base[i] + ks[i] for i in range(R)],
                       [[] if rules[i] else None for i in range(R)],
                       [[] if rules[i] and self.accept_head is not None else None for i in range(R)])
         feed = guess.long()
         active = list(range(R))
-        for j in range(kmax):
+        for j in range(K):
             active = [i for i in active if j < out.n[i]]
             if not active:
                 break
@@ -264,18 +264,18 @@ class _AssumedHistory:
 
     def __init__(self, ctl, tokens: torch.Tensor, rows: list[int], start: torch.Tensor, n_of: list[int]):
         self.ctl = ctl
-        self.tokens = tokens      # [B, K + 1 + k_next] int32, -1 padded
+        self.tokens = tokens      # [B, W + 1 + K] int32, -1 padded (W: this round's width, K: the longest pre-draft)
         self.rows = rows          # pre-drafted rows of the batch
         self.start = start        # [len(rows)] int64: where each row's guess goes (n_b)
         self.n_of = n_of          # [B] this round's draft counts
 
     @staticmethod
-    def make(batch, proposal: DraftProposal, rows: list[int], k_next: int, dev) -> "_AssumedHistory | None":
+    def make(batch, proposal: DraftProposal, rows: list[int], K: int, dev) -> "_AssumedHistory | None":
         ctl = batch_controls(batch, dev)
         if ctl is None:
             return None
         width = proposal.draft_token_ids.shape[1]
-        tokens = torch.full((len(batch), width + 1 + k_next), -1, dtype=torch.int32, device=dev)
+        tokens = torch.full((len(batch), width + 1 + K), -1, dtype=torch.int32, device=dev)
         tokens[:, :width] = proposal.draft_token_ids
         n_of = proposal.num_draft_tokens
         start = torch.tensor([n_of[b] for b in rows], dtype=torch.int64).to(dev, non_blocking=True)

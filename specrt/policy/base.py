@@ -1,7 +1,7 @@
 """Draft-length policies: the interface and the simple ones (fixed, confidence, head).
 
 A policy answers three questions:
-- ``plan(requests, k_caps, costs, catchup)`` -> K per request before drafting (the cap);
+- ``plan(requests, max_ks, costs, catchup)`` -> K per request before drafting (the max_k);
 - ``should_stop(request, depth, draft_prob, p_accept)`` -> stop drafting a request early at
   ``depth`` (only asked when ``stops_early``: it needs per-draft-step host values);
 - ``observe(request, drafted, accepted)`` after verification (acceptance history);
@@ -16,7 +16,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from specrt.config import SpecConfig
+from specrt.config import SpecConfig, clamp_k
 from specrt.policy import tuning
 
 
@@ -65,10 +65,10 @@ class DraftPolicy:
         self.spec = spec
         self._gain: dict = {}      # tag -> moving average of accepted drafts per step (None key: all tags)
 
-    def plan(self, requests, k_caps: list[int], costs=None, catchup: list[int] | None = None) -> list[int]:
-        """K per request (<= its cap). ``catchup``: tokens each request's draft must consume
+    def plan(self, requests, max_ks: list[int], costs=None, catchup: list[int] | None = None) -> list[int]:
+        """K per request (<= its max_k). ``catchup``: tokens each request's draft must consume
         before it can draft (its draft KV's lag); only the budget policy prices it."""
-        return [max(min(self.spec.max_draft_length, cap), 0) for cap in k_caps]
+        return [clamp_k(self.spec.max_draft_length, m) for m in max_ks]
 
     def dormant(self, num_requests: int) -> bool:
         """True: this step drafts nothing and the engine need not plan it at all (see
@@ -96,12 +96,12 @@ class DraftPolicy:
         st, w = request.stats, tuning.TAG_PRIOR_STEPS
         return (st.accepted / K + prior * w) / (st.steps + w)
 
-    def k_ahead(self, request, k: int, drafted: int, cap: int) -> int:
+    def k_ahead(self, request, k: int, drafted: int, max_k: int) -> int:
         """The K the next step drafts for a request that drafted ``drafted`` of the ``k`` asked
-        this step, if all are accepted (its next cap: ``cap``). The policies that plan the cap
-        (fixed, confidence, head) ask for the cap; the drafting stops early where
+        this step, if all are accepted (its next max_k: ``max_k``). The policies that plan the max_k
+        (fixed, confidence, head) ask for the max_k; the drafting stops early where
         ``stop_rule_ahead`` says."""
-        return cap
+        return max_k
 
     def stop_rule_ahead(self, request, drafted: int):
         """The stop rule the next step will apply to a request whose ``drafted`` tokens of this
@@ -139,11 +139,11 @@ class ThresholdPolicy(DraftPolicy):
         rate = recent_acceptance(request, self.spec.acceptance_window, pending=pending)
         return min(tuning.CONF_MAX, max(tuning.CONF_MIN, base * (tuning.CONF_SLOPE - rate)))
 
-    def plan(self, requests, k_caps, costs=None, catchup=None):
+    def plan(self, requests, max_ks, costs=None, catchup=None):
         for r in requests:
             st = r.policy_state
             st.p_all, st.threshold = 1.0, self.threshold(r)
-        return super().plan(requests, k_caps, costs, catchup)
+        return super().plan(requests, max_ks, costs, catchup)
 
     def _threshold_of(self, request) -> float:
         t = request.policy_state.threshold
