@@ -66,10 +66,9 @@ def parse_memory_size(text: str, name: str = "memory") -> float | int:
     return n
 
 
-# SpecConfig's defaults per policy (the measurements behind them: docs/policy.md, "Defaults"): the
-# design's starting values (min 1, max 8, threshold 0.6, window 100) where they do not slow the
-# policy down. The fixed policy keeps K=4 and the budget policy max 4 / min 0 (K=8 measured slower
-# for both; the budget policy must be able to switch speculation off).
+# SpecConfig's defaults per policy (docs/policy.md, "Defaults"): the design's starting values (min 1,
+# max 8, threshold 0.6, window 100) where they do not slow the policy down; fixed K=4 and budget
+# max 4 / min 0 (K=8 measured slower for both; the budget policy must be able to switch off).
 DEFAULT_ACCEPTANCE_WINDOW = 100
 DEFAULTS = {
     "fixed": {"min_draft_length": 0, "max_draft_length": 4},
@@ -80,8 +79,7 @@ DEFAULTS = {
 
 
 def clamp_k(k: int, *limits: int) -> int:
-    """A draft length k within [0, every limit] (max_draft_length, a request's room, what its
-    drafter can fill): the one place a draft length is clamped."""
+    """Draft length k within [0, every limit]: the one place a draft length is clamped."""
     return max(0, min((k, *limits)))
 
 
@@ -382,8 +380,7 @@ class SpecConfig:
     adaptive_threads: bool = True
     # the serve flag's name for kv_cache_budget (str or number); None: not given
     kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
-    # whether max_draft_length was named (else the policy's default, which a drafter may replace:
-    # suffix drafting's chains run longer)
+    # max_draft_length was named (else the policy's default, which a drafter may replace: suffix)
     max_draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
