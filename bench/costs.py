@@ -97,11 +97,12 @@ def draft_step_timer(drafter, target, ctx: int, kmax: int, target_cache: torch.T
         cache = target_cache if model is target else None
         return forward_timer(model, ctx, 1, num_layers=num_layers, cache=cache), 1
     from specrt.config import SamplingParams
+    from specrt.drafters import DraftAsk
     from specrt.scheduler import Request
 
     context = [int(x) for x in torch.randint(3, 50, (ctx,))]
     request = Request("cost-probe", context, SamplingParams(temperature=0.0, max_tokens=1), seed=0)
-    return (lambda: drafter.propose([request], [kmax], None, None)), kmax
+    return (lambda: drafter.propose([request], DraftAsk([kmax]))), kmax
 
 
 def measure_costs(llm_by_drafter: dict, kmax: int, ctx: int, reps: int) -> dict:

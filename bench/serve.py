@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--threads", str(args.threads)]
     if args.device:
         common += ["--device", args.device]
-    mode_args = {"speculative": ["--speculative-decoding", "--draft-model", draft, "--draft-length",
+    mode_args = {"speculative": ["--speculative-decoding", "--draft-model", draft, "--max-draft-length",
                                  str(args.draft_length)],
                  "autoregressive": []}
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "

@@ -20,7 +20,7 @@ def record_costs(costs: CostModel, vb: VerifyBatch, proposal: DraftProposal, ste
     """The drafting, and everything else the step cost (planning, the verify forward, sampling,
     bookkeeping) as the verify sample, marked by whether anything was drafted (a multi-token
     verify can cost a jump over a plain decode step); ``total_s``: the whole step, admission
-    included. A steady plain step less ``limit_s`` (the drafter's search for its caps, which an
+    included. A steady plain step less ``limit_s`` (the drafter's search for its max_ks, which an
     autoregressive engine never runs) is a sample of the autoregressive step time."""
     cost = proposal.cost
     draft_s = cost.measured_seconds() if cost.forwards else cost.seconds
@@ -36,7 +36,7 @@ def record_samples(costs: CostModel, metrics: EngineMetrics, samples: list[tuple
                    limit_s: float = 0.0, untimed_s: float = 0.0) -> None:
     """Per request: its share of the step's time and, once plain decode steps were measured, its
     autoregressive estimate. A step that drafted nothing is a plain step: it costs what it
-    measured (less ``limit_s``, the drafter's search for its caps). In a drafted step each token
+    measured (less ``limit_s``, the drafter's search for its max_ks). In a drafted step each token
     costs a share of one plain decode step over this batch as the machine runs now
     (``CostModel.plain_step_now``), and the first token of a request whose context the step fed
     the step's time besides drafting (the target's prefill is what autoregressive decoding pays

@@ -32,9 +32,9 @@ def calibrate(engine, batch_sizes: Sequence[int] = (1, 4), rounds: int = 4, run:
                 params = SamplingParams(temperature=0.0, ignore_eos=True, seed=0, max_tokens=gen)
                 ids = [engine.add_request(pool[b % len(pool)], params, tag="calibration") for b in range(B)]
                 for i in range(steps + 1):           # + the prefill step
-                    engine.step(forced_k=0 if i == 0 or ((i - 1) // run) % 2 == 0 else K)
+                    engine.step(k=0 if i == 0 or ((i - 1) // run) % 2 == 0 else K)
                 for rid in ids:
                     engine.abort_request(rid)
-                engine.step(forced_k=0)              # nothing runs: releases the aborted requests
+                engine.step(k=0)              # nothing runs: releases the aborted requests
         finally:
             engine.metrics = saved

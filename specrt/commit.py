@@ -1,8 +1,8 @@
 """Commit one verified step: keep what was accepted, roll back the rest, emit, check stops.
 
 Per request (row b) with n drafts of which a were accepted: the target's KV now holds
-[0, context_len + a); the drafter says what its own cache holds (``on_commit``: a pre-draft
-is kept only if all n were accepted and the bonus token is the one it assumed); the surplus
+[0, context_len + a); the drafter says what its own cache holds (``on_commit``, then
+``settle`` for draft work made during the step for the next one: specrt.overlap); the surplus
 KV slots are rolled back (the block table is truncated, nothing copied); a + 1 tokens are
 appended, and the request's full blocks are registered for prefix sharing.
 """
@@ -18,7 +18,7 @@ from specrt.attention import copy_slots
 from specrt.drafters import Drafter, DraftProposal
 from specrt.drafters.tree import node_depths
 from specrt.kv_cache import PagedKVCache
-from specrt.observability.metrics import EngineMetrics, StepSample
+from specrt.observability.metrics import StepSample
 from specrt.scheduler import Request
 from specrt.verify import VerifyResult, commit_logprobs
 
@@ -33,7 +33,11 @@ class CommitContext:
     eos_token_ids: list[int]
     max_model_len: int
     decode: Callable[[list[int]], str]
-    device: torch.device
+
+
+# settle(request, row, held) -> (positions the drafter's KV holds, host seconds of draft work made during
+# the step for the next one, of which hidden behind the verification): specrt.overlap.Overlap.settler
+Settle = Callable[[Request, int, "int | None"], "tuple[int | None, float, float]"]
 
 
 @dataclass
@@ -44,20 +48,19 @@ class Ended:
     error: str | None = None
 
 
-def commit_step(ctx: CommitContext, metrics: EngineMetrics, batch: list[Request], proposal: DraftProposal,
-                result: VerifyResult, verify_s: float) -> tuple[list[tuple[Request, StepSample]], list[Ended]]:
+def commit_step(ctx: CommitContext, batch: list[Request], proposal: DraftProposal, result: VerifyResult,
+                verify_s: float, settle: Settle | None = None) -> tuple[list[tuple[Request, StepSample]], list[Ended]]:
     """Commit every request of the step; one whose bookkeeping raises (e.g. its text cannot be
     decoded) fails alone. Returns [(request, StepSample)] for the statistics (recorded once the
-    step's time is known) and the requests that ended, in batch order."""
+    step's time is known) and the requests that ended, in batch order. ``settle``: the hook of
+    draft work made during the step for the next one (None: there is none)."""
     if result.accepted_nodes is not None:
         _move_paths(ctx.kv, batch, result.accepted_nodes)
-    for _ in range(proposal.pre_drafts_used):
-        metrics.record_overlap(used=True)
     drafted_total, verify_share = max(sum(proposal.num_draft_tokens), 1), verify_s / len(batch)
     samples, ended = [], []
     for b, r in enumerate(batch):
         try:
-            sample, reason = _commit_one(ctx, metrics, r, b, proposal, result, drafted_total, verify_share)
+            sample, reason = _commit_one(ctx, r, b, proposal, result, drafted_total, verify_share, settle)
             samples.append((r, sample))
             if reason is not None:
                 ended.append(Ended(r, reason))
@@ -82,24 +85,22 @@ def _move_paths(kv: PagedKVCache, batch: list[Request], accepted_nodes: list[lis
         copy_slots([kv["target"]], torch.tensor(moves, dtype=torch.int64).to(kv["target"].device, non_blocking=True))
 
 
-def _commit_one(ctx: CommitContext, metrics: EngineMetrics, r: Request, b: int, proposal: DraftProposal,
-                result: VerifyResult, drafted_total: int, verify_share: float) -> tuple[StepSample, str | None]:
+def _commit_one(ctx: CommitContext, r: Request, b: int, proposal: DraftProposal, result: VerifyResult,
+                drafted_total: int, verify_share: float, settle: Settle | None) -> tuple[StepSample, str | None]:
     n, a = proposal.num_draft_tokens[b], result.num_accepted[b]
     emitted = result.output_token_ids[b][:a + 1]
     L = r.context_len
     r.target_cached = L + a
-    pre = result.pre_drafts.get(b)
-    kept = pre is not None and a == n and emitted[-1] == result.pre_draft_guess[b]
-    held = ctx.drafter.on_commit(r, b, proposal, pre, kept) if ctx.drafter is not None else None
+    held = ctx.drafter.on_commit(r, b, proposal) if ctx.drafter is not None else None
+    ahead_s = hidden_s = 0.0           # draft work made this step for the next one (specrt.overlap)
+    if settle is not None:
+        held, ahead_s, hidden_s = settle(r, b, held)
     if held is not None:
         r.draft_cached = held
     surplus = ctx.kv.num_tokens(r.request_id) - max(r.target_cached, 0 if held is None else held)
     if surplus > 0:
         ctx.kv.rollback(r.request_id, surplus)
-    if pre is not None:
-        metrics.record_overlap(used=False)
-    hidden_s = pre.seconds if kept and ctx.device.type == "cuda" else 0.0
-    share = proposal.cost.seconds * (n / drafted_total) + (pre.seconds if pre is not None else 0.0)
+    share = proposal.cost.seconds * (n / drafted_total) + ahead_s
     sample = StepSample(n, a, len(emitted), share, verify_share, hidden_s, context_len=L,
                         temperature=r.params.temperature,
                         depth=max(node_depths(proposal.parents(b)), default=0) if proposal.node_parents else None)

@@ -66,10 +66,9 @@ def parse_memory_size(text: str, name: str = "memory") -> float | int:
     return n
 
 
-# SpecConfig's defaults per policy (the measurements behind them: docs/policy.md, "Defaults"): the
-# design's starting values (min 1, max 8, threshold 0.6, window 100) where they do not slow the
-# policy down. The fixed policy keeps K=4 and the budget policy max 4 / min 0 (K=8 measured slower
-# for both; the budget policy must be able to switch speculation off).
+# SpecConfig's defaults per policy (docs/policy.md, "Defaults"): the design's starting values (min 1,
+# max 8, threshold 0.6, window 100) where they do not slow the policy down; fixed K=4 and budget
+# max 4 / min 0 (K=8 measured slower for both; the budget policy must be able to switch off).
 DEFAULT_ACCEPTANCE_WINDOW = 100
 DEFAULTS = {
     "fixed": {"min_draft_length": 0, "max_draft_length": 4},
@@ -77,6 +76,11 @@ DEFAULTS = {
     "head": {"min_draft_length": 1, "max_draft_length": 8, "confidence_threshold": 0.6},
     "budget": {"min_draft_length": 0, "max_draft_length": 4},
 }
+
+
+def clamp_k(k: int, *limits: int) -> int:
+    """Draft length k within [0, every limit]: the one place a draft length is clamped."""
+    return max(0, min((k, *limits)))
 
 
 def _is_int(x) -> bool:
@@ -376,20 +380,19 @@ class SpecConfig:
     adaptive_threads: bool = True
     # the serve flag's name for kv_cache_budget (str or number); None: not given
     kv_cache_memory: float | int | str | None = field(default=None, repr=False, compare=False)
-    # whether max_draft_length was named (else the policy's default, which a drafter may replace:
-    # suffix drafting's chains run longer)
-    draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
+    # max_draft_length was named (else the policy's default, which a drafter may replace: suffix)
+    max_draft_length_named: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._resolve_policy()
         d = DEFAULTS[self.policy]
-        self.draft_length_named = self.max_draft_length is not None
+        self.max_draft_length_named = self.max_draft_length is not None
         if self.max_draft_length is None:
             self.max_draft_length = d["max_draft_length"]
         _check_int("max_draft_length", self.max_draft_length, 0, MAX_DRAFT_LENGTH)
         named_min = self.min_draft_length is not None
         if not named_min:
-            self.min_draft_length = min(d["min_draft_length"], self.max_draft_length)
+            self.min_draft_length = clamp_k(d["min_draft_length"], self.max_draft_length)
         _check_int("min_draft_length", self.min_draft_length, 0, self.max_draft_length,
                    " (at most max_draft_length)")
         c = self.confidence_threshold

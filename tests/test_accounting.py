@@ -28,5 +28,5 @@ def test_ngram_limit_reports_its_search_time():
     drafter = NgramDrafter(NgramProposer(1, 4), "cpu")
     r = SimpleNamespace(request_id="a", token_ids=[5, 6, 7, 5, 6] * 50, drafter_state=None, evidence_class=None)
     limits = drafter.limit([r], [4])
-    assert limits.caps == [4] and len(limits.known["a"]) == 4
+    assert limits.max_ks == [4] and len(limits.known["a"]) == 4
     assert limits.seconds > 0

@@ -25,7 +25,7 @@ def test_demo_defaults_to_smollm2_when_installed():
 def test_demo_parser_names_its_pairs():
     assert build_parser().parse_args(["--pair", "smollm2"]).pair == "smollm2"
     assert PAIRS["smollm2"].drafts == ("smollm2-135m-draft",)
-    assert PAIRS["smollm2"].draft_length is None and PAIRS["builtin"].draft_length == 4
+    assert PAIRS["smollm2"].max_draft_length is None and PAIRS["builtin"].max_draft_length == 4
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--pair", "gpt5"])
 

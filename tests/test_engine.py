@@ -186,20 +186,20 @@ def test_a_dormant_policy_is_not_asked_to_plan(pair, ar_greedy, draft):
                       spec=SpecConfig(policy="budget", max_draft_length=4), seed=0)
     eng = llm_.engine
     asked, planned, drafted = [], [], []
-    plan, caps = eng.policy.plan, eng._k_cap
+    plan, max_k = eng.policy.plan, eng._max_k
 
     def dormant(n):
         asked.append(n)
         return len(asked) % 3 != 0          # two steps of three asleep
 
-    def spy(reqs, k_caps, costs=None, catchup=None):
+    def spy(reqs, max_ks, costs=None, catchup=None):
         planned.append(len(asked))
-        return plan(reqs, k_caps, costs, catchup)
+        return plan(reqs, max_ks, costs, catchup)
 
-    def spy_cap(r):
+    def spy_max_k(r):
         drafted.append(len(asked))
-        return caps(r)
-    eng.policy.dormant, eng.policy.plan, eng._k_cap = dormant, spy, spy_cap
+        return max_k(r)
+    eng.policy.dormant, eng.policy.plan, eng._max_k = dormant, spy, spy_max_k
     assert tokens(llm_.generate(PROMPTS[:4], GREEDY)) == ar_greedy[:4]
     if draft == "ngram":
         assert not asked and planned
@@ -515,7 +515,7 @@ def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy, tree):
     with their tokens, and the engine serves afterwards."""
     tdir, ddir = pair
     spec = SpecConfig(max_draft_length=3, tree=tree)
-    propose = "propose" if tree == "chain" else "propose_tree"
+    propose = "propose"             # chains and trees alike
     flaky = {}
 
     def wrap(d):

@@ -1,7 +1,7 @@
 """The engine with an EAGLE-style feature draft (specrt.drafters.feature) on the built-in target.
 
 - the target's verify forward returns every fed row's final-normed state only when the drafter
-  asks (``wants_target_hidden``), and its logits are bit-identical with or without it;
+  asks (a ``ReadsTarget`` drafter), and its logits are bit-identical with or without it;
 - each proposal consumes exactly the target's features of positions draft_cached-1..L-1 and then
   its own states: its tokens equal a dense teacher-forced DraftModel.forward_dense over the
   target's true features (and a drafter reading features one position off does not);
@@ -120,11 +120,11 @@ def test_all_rows_hidden_leaves_the_logits_bit_identical(dtype, fused):
 
 def test_only_a_drafter_that_asks_gets_the_hidden_states(fdir):
     """The target's forward computes every row's state only for a drafter with
-    wants_target_hidden (plain decoding, a model draft, n-gram: never), and observe_target sees
+    is a ReadsTarget (plain decoding, a model draft, n-gram: never), and observe_target sees
     [T, H] with T the fed rows of the whole batch."""
-    from specrt.drafters import FeatureDrafter, ModelDrafter, NgramDrafter, ReducedDrafter
+    from specrt.drafters import FeatureDrafter, ModelDrafter, NgramDrafter, ReadsTarget, ReducedDrafter
 
-    assert not any(c.wants_target_hidden for c in (ModelDrafter, NgramDrafter, ReducedDrafter))
+    assert not any(issubclass(c, ReadsTarget) for c in (ModelDrafter, NgramDrafter, ReducedDrafter))
     for draft, wants in ((None, False), ("builtin", False), ("ngram", False), (fdir, True)):
         eng = llm(draft).engine
         calls, seen = [], []
@@ -242,11 +242,12 @@ def _check_lag_bound(eng) -> None:
 
 # ----------------------------------------------------------------------------- greedy identity
 def test_the_feature_draft_loads_as_its_own_drafter(fdir):
-    from specrt.drafters import FeatureDrafter, module_bytes
+    from specrt.drafters import FeatureDrafter, ReadsTarget, module_bytes
+    from specrt.drafters.predraft import PreDrafting
     from specrt.drafters.reduced import ReducedDrafter
 
     d = llm(fdir).engine.drafter
-    assert isinstance(d, FeatureDrafter) and d.wants_target_hidden and not d.supports_pre_draft
+    assert isinstance(d, FeatureDrafter) and isinstance(d, ReadsTarget) and not isinstance(d, PreDrafting)
     dm = d.draft
     assert d.size_bytes() == module_bytes(dm.fc, *dm.layers, dm.norm) + dm.head.numel() * dm.head.element_size()
     assert d.draft.embed.data_ptr() == llm(fdir).engine.target.model.embed_tokens.weight.data_ptr()

@@ -17,7 +17,7 @@ from _engine_utils import LLMCache, pair_for_tests, tokens  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.drafters import PreDraft  # noqa: E402
+from specrt.drafters.predraft import PreDraft  # noqa: E402
 from specrt.policy import ConfidencePolicy, HeadPolicy  # noqa: E402
 from specrt.scheduler import Request  # noqa: E402
 
@@ -115,14 +115,14 @@ def _request(history: list[int]) -> Request:
 
 @pytest.mark.parametrize("cls", [ConfidencePolicy, HeadPolicy])
 def test_the_pre_draft_stop_rule_predicts_the_next_steps_rule(cls):
-    """pre_stop answers as should_stop will once the pre-draft's premise (all drafted tokens
-    accepted) is observed; pre_draft_length replays it on the recorded values and truncates or
+    """stop_rule_ahead answers as should_stop will once the pre-draft's premise (all drafted tokens
+    accepted) is observed; replayed_length replays it on the recorded values and truncates or
     drops without touching the policy's state."""
     pol = cls(SpecConfig(policy=cls.name, min_draft_length=1, max_draft_length=6))
     conf = [0.9, 0.8, 0.45, 0.3, 0.2, 0.1]
     for hist in ([1, 0] * 10, [0] * 20, [1] * 20):
         r = _request(hist)
-        rule = pol.pre_stop(r, drafted=3)
+        rule = pol.stop_rule_ahead(r, drafted=3)
         predicted = next((j for j, c in enumerate(conf) if rule(j, c, c)), 6)
         pol.observe(r, 3, 3)                       # the premise holds
         pol.plan([r], [6])
@@ -132,14 +132,14 @@ def test_the_pre_draft_stop_rule_predicts_the_next_steps_rule(cls):
         state = (r.policy_state.p_all, r.policy_state.threshold)
         pre = PreDraft(torch.tensor(0), torch.zeros(6), None, predicted, 0, 0.0, r.context_len,
                        conf[:predicted + 1], conf[:predicted + 1])
-        assert pol.pre_draft_length(r, 6, pre) == predicted
-        assert pol.pre_draft_length(r, min(predicted, 1), pre) == min(predicted, 1)     # a smaller K: a prefix
+        assert pol.replayed_length(r, 6, pre) == predicted
+        assert pol.replayed_length(r, min(predicted, 1), pre) == min(predicted, 1)     # a smaller K: a prefix
         assert (r.policy_state.p_all, r.policy_state.threshold) == state                # no state touched
     # the decision differs (the pre-draft stopped where the next step would not): dropped
     r = _request([1] * 20)
     pol.plan([r], [6])
     pre = PreDraft(torch.tensor(0), torch.zeros(1), None, 1, 0, 0.0, r.context_len, [0.99, 0.99], [0.99, 0.99])
-    assert pol.pre_draft_length(r, 6, pre) is None
+    assert pol.replayed_length(r, 6, pre) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -450,7 +450,7 @@ def test_cli_binds_loopback_by_default_and_tensor_parallel(pair, monkeypatch, ca
 
     monkeypatch.setattr(uvicorn, "run", fake_run)
     rc = main(["--target-model", str(tdir), "--draft-model", str(ddir), "--speculative-decoding",
-               "--draft-length", "3", "--no-warmup", "--port", "0", "--max-batch-size", "4",
+               "--max-draft-length", "3", "--no-warmup", "--port", "0", "--max-batch-size", "4",
                "--draft-policy", "confidence", "--no-adaptive", "--acceptance", "coupled"])
     assert rc == 0 and seen["host"] == "127.0.0.1"
     state = seen["app"].state.specrt

@@ -1,5 +1,6 @@
 """Builds the drafter a ``draft=`` argument asks for, from its parsed record
-(specrt.drafters.spec.DraftSpec; the spellings are listed there).
+(specrt.drafters.spec.DraftSpec; the spellings are listed there), with the function registered
+for its kind (``register_drafter``; the built-in kinds' lines are at the end of this module).
 
     kind "none"          no drafter
     kind "ngram"         prompt lookup (specrt.drafters.ngram)
@@ -11,11 +12,14 @@
                          "feature": EAGLE-style, reads the target's states)
     spec.lookup          the lookup in front of a model or self:N drafter (specrt.drafters.lookup)
 
-Adding a drafter is a new module, a kind in spec.py and a line here.
+Adding a drafter is a new module and one ``register_drafter(NAME, build)`` line.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from specrt.drafters.base import Drafter, DraftSettings
 from specrt.drafters.feature import FeatureDrafter
@@ -24,11 +28,24 @@ from specrt.drafters.model import ModelDrafter
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
 from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
-from specrt.drafters.spec import DraftSpec
+from specrt.drafters.spec import DraftSpec, drafter_builder, register_drafter
 from specrt.drafters.suffix import SuffixDrafter, SuffixSettings
 from specrt.loading import DraftLoader, resolve_model_path
 from specrt.models import check_draft_compatible, load_generation_config
 from specrt.models.draft_model import is_draft_folder, load_draft_for_target
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter's builder gets beside its DraftSpec (specrt.drafters.spec.register_drafter)."""
+
+    settings: DraftSettings
+    target: torch.nn.Module              # the target model (self:N drafts with its first layers)
+    target_path: Path                    # its folder (a draft model is checked against it)
+    loader: DraftLoader                  # how a draft model loads (its quantization and dtype)
+    dtype: torch.dtype | None = None     # the engine's dtype
+    accept_head: bool = False            # policy="head": load the acceptance head stored beside a draft model
+    lookup: PromptLookup | None = None   # the lookup in front of a model or self:N drafter (None: none)
 
 
 def make_drafter(spec: DraftSpec, target_path: Path, target, settings: DraftSettings, loader: DraftLoader, dtype,
@@ -37,18 +54,9 @@ def make_drafter(spec: DraftSpec, target_path: Path, target, settings: DraftSett
     head stored beside a draft model (policy="head"); other drafters cannot have one. ``loader``:
     how a draft model loads (its quantization and dtype, honoured by a DraftModel folder too)."""
     lookup = _make_lookup(spec, settings) if spec.takes_lookup else None
-    if spec.kind == "none":
-        drafter = None
-    elif spec.kind == "ngram":
-        proposer = NgramProposer(*spec.ngram_sizes) if spec.ngram_sizes else NgramProposer()
-        drafter = NgramDrafter(proposer, settings.device)
-    elif spec.kind == "suffix":
-        drafter = SuffixDrafter(SuffixSettings.parse(spec.suffix), settings.device, settings.coupled)
-    elif spec.kind == "self":
-        drafter = SelfDrafter(target, spec.self_layers, settings, lookup=lookup)
-    else:
-        return _model_drafter(spec.source, target_path, target, settings, loader, dtype, accept_head, lookup)
-    if accept_head:
+    ctx = DraftContext(settings, target, target_path, loader, dtype, accept_head, lookup)
+    drafter = None if spec.kind == "none" else drafter_builder(spec.kind)(spec, ctx)
+    if accept_head and spec.kind != "model":
         raise ValueError("policy='head' needs a draft model with an acceptance head (accept_head/ beside it)")
     return drafter
 
@@ -64,21 +72,27 @@ def _make_lookup(spec: DraftSpec, settings: DraftSettings) -> PromptLookup | Non
         raise ValueError(str(e) if spec.lookup_named else f"lookup: {e}") from None
 
 
-def _model_drafter(source, target_path: Path, target, settings: DraftSettings, loader: DraftLoader, dtype,
-                   accept_head: bool, lookup: PromptLookup | None) -> ModelDrafter:
+def _ngram(spec: DraftSpec, ctx: DraftContext) -> NgramDrafter:
+    proposer = NgramProposer(*spec.ngram_sizes) if spec.ngram_sizes else NgramProposer()
+    return NgramDrafter(proposer, ctx.settings.device)
+
+
+def _model_drafter(spec: DraftSpec, ctx: DraftContext) -> ModelDrafter | FeatureDrafter:
     """A draft model's drafter: a DraftModel folder (reduced or feature) or a model of the target's vocabulary."""
-    draft_path = resolve_model_path(source, "draft")
+    settings = ctx.settings
+    draft_path = resolve_model_path(spec.source, "draft")
     if is_draft_folder(draft_path):
-        if accept_head:
+        if ctx.accept_head:
             raise ValueError("policy='head' needs a draft model with an acceptance head; a reduced-vocabulary "
                              "draft has none")
-        model = load_draft_for_target(draft_path, target, load_generation_config(target_path), loader.dtype,
-                                      settings.device, loader.quantize)
-        return (FeatureDrafter if model.config.kind == "feature" else ReducedDrafter)(model, settings, lookup=lookup)
-    check_draft_compatible(target_path, draft_path)
-    model = loader.load(draft_path, "draft", dtype, settings.device)
-    head = load_accept_head(draft_path, settings.device) if accept_head else None
-    return ModelDrafter(model, settings, accept_head=head, lookup=lookup)
+        model = load_draft_for_target(draft_path, ctx.target, load_generation_config(ctx.target_path),
+                                      ctx.loader.dtype, settings.device, ctx.loader.quantize)
+        cls = FeatureDrafter if model.config.kind == "feature" else ReducedDrafter
+        return cls(model, settings, lookup=ctx.lookup)
+    check_draft_compatible(ctx.target_path, draft_path)
+    model = ctx.loader.load(draft_path, "draft", ctx.dtype, settings.device)
+    head = load_accept_head(draft_path, settings.device) if ctx.accept_head else None
+    return ModelDrafter(model, settings, accept_head=head, lookup=ctx.lookup)
 
 
 def load_accept_head(draft_path: Path, device):
@@ -91,3 +105,10 @@ def load_accept_head(draft_path: Path, device):
         raise ValueError(f"policy='head': no acceptance head at {head_dir} (train one with "
                          f"`python -m specrt.training.accept_head --target TARGET --draft {draft_path}`)")
     return AcceptanceHead.load(head_dir).to(device).eval()
+
+
+register_drafter("ngram", _ngram)
+register_drafter("suffix", lambda spec, ctx: SuffixDrafter(SuffixSettings.parse(spec.suffix), ctx.settings.device,
+                                                           ctx.settings.coupled))
+register_drafter("self", lambda spec, ctx: SelfDrafter(ctx.target, spec.self_layers, ctx.settings, lookup=ctx.lookup))
+register_drafter("model", _model_drafter)

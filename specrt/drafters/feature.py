@@ -3,12 +3,12 @@
 final-normed hidden state, with a reduced-vocabulary head as ReducedDrafter's.
 
 No extra target forward: the engine asks the target's verify forward for every fed row's
-final-normed state (``wants_target_hidden``) and hands it over (``observe_target``). Per request
+final-normed state (the drafter is a ``ReadsTarget``) and hands it over (``observe_target``). Per request
 the drafter keeps the features of positions it has not consumed yet (``TargetFeatures`` in
 ``request.drafter_state``: views of those hidden tensors, trimmed at every commit to what the
 target accepted and the draft still needs, so memory stays bounded by the draft's lag).
 
-A proposal (the ModelDrafter loop) for a request whose draft KV holds [0, c), context length L+1
+A proposal (the ModelDrafterBase loop) for a request whose draft KV holds [0, c), context length L+1
 (the pending token at position L):
 
 * catch-up: ONE forward over positions c..L fed the features of positions c-1..L-1 (position -1,
@@ -21,8 +21,8 @@ true feature is unknown (a prefix-shared block whose prompt rows this request di
 a preempted request's recomputed context, ...) reads a zero feature: acceptance may drop there,
 the output stays exact (the verification decides every token).
 
-No overlap pre-draft (``supports_pre_draft`` False): the next round's catch-up needs this round's
-verified features, which exist only after the verification.
+No pre-drafting (it is no specrt.drafters.predraft.PreDrafting): the next round's catch-up needs
+this round's verified features, which exist only after the verification.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specrt.drafters.base import DraftProposal, DraftSettings, PreDraft
+from specrt.drafters.base import DraftProposal, DrafterState, DraftSettings, ReadsTarget
 from specrt.drafters.size import module_bytes
 from specrt.drafters.lookup import PromptLookup
-from specrt.drafters.reduced import ReducedDrafter
+from specrt.drafters.model import ModelDrafterBase
+from specrt.drafters.reduced import ReducedVocab
 
 MAX_SPANS = 16     # spans a request keeps before they are merged into one (one copy of its lag)
 
@@ -52,7 +53,7 @@ class FeatureSpan:
 
 
 @dataclass(frozen=True)
-class TargetFeatures:
+class TargetFeatures(DrafterState):
     """A FeatureDrafter's ``request.drafter_state``: the features of positions it has not consumed
     yet (immutable: every change makes a new record, so Scheduler.restore puts back the old one)."""
 
@@ -94,11 +95,9 @@ class TargetFeatures:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class FeatureDrafter(ReducedDrafter):
+class FeatureDrafter(ReducedVocab, ModelDrafterBase, ReadsTarget):
     name = "feature"
     kind = "feature"
-    supports_pre_draft = False    # the catch-up needs the verification's features (module docstring)
-    wants_target_hidden = True
 
     def __init__(self, draft, settings: DraftSettings, lookup: PromptLookup | None = None):
         """``draft``: a feature DraftModel bound to the target (``load_draft_for_target``); ``lookup``: see ModelDrafter."""
@@ -127,17 +126,14 @@ class FeatureDrafter(ReducedDrafter):
             span = FeatureSpan(vb.query_position[b], hidden[start:start + n])
             r.drafter_state = _features(r).add(span)
 
-    def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
+    def on_commit(self, request, row: int, proposal: DraftProposal) -> int | None:
         """The draft KV holds true-feature keys below ``held``; the next catch-up reads the features
         of positions held-1 .. target_cached-1 (the verified ones): keep only those."""
         held = min(proposal.draft_cached[row], request.target_cached)
         request.drafter_state = _features(request).keep(held - 1, request.target_cached)
         return held
 
-    # -- the drafting loop's hooks (ModelDrafter._draft)
-    def _take_pre_draft(self, r) -> PreDraft | None:
-        return None                  # drafter_state holds the features, never a pre-draft
-
+    # -- the drafting loop's hooks (ModelDrafterBase._draft)
     def _step_features(self, reqs, starts: list[int] | None, prev_hidden, sel) -> torch.Tensor:
         if starts is None:           # one token past the last forward: the draft's own state there
             return prev_hidden.index_select(0, sel)
@@ -148,8 +144,8 @@ class FeatureDrafter(ReducedDrafter):
         return self.draft(input_ids, positions, meta, self.kv[self.cache_name], features=features,
                           logits_indices=last)
 
-    def _draft(self, batch, ks: list[int], kmax: int, stop_rule, pre_length=None) -> DraftProposal:
-        proposal = super()._draft(batch, ks, kmax, stop_rule, pre_length)
+    def _draft(self, batch, ks: list[int], K: int, stop_rule) -> DraftProposal:
+        proposal = super()._draft(batch, ks, K, stop_rule)
         # keys at context_len and later came from the draft's own features: not kept past the commit
         proposal.draft_cached = [min(d, r.context_len) for d, r in zip(proposal.draft_cached, batch)]
         return proposal

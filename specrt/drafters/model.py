@@ -5,6 +5,9 @@ behind the target's (it did not draft for a while, or reused a target-only prefi
 first draft forward of a step then feeds the whole uncached tail (its catch-up) together with
 the pending token. Drafting runs on its own CUDA stream so it overlaps other work; the
 verification waits for it with an event, not a host sync.
+
+``ModelDrafterBase`` drafts chains and trees with a network; ``ModelDrafter`` adds pre-drafting
+(specrt.drafters.predraft), which every network drafter has but the feature draft.
 """
 from __future__ import annotations
 
@@ -18,20 +21,21 @@ import torch
 from specrt import ops
 from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
-from specrt.drafters.base import (DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, PreDraft, PreLength,
+from specrt.drafters.base import (DraftAsk, DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, History,
                                   StopRule)
 from specrt.drafters.lookup import PromptLookup, fill_lookup_rows, forced_drafts
+from specrt.drafters.predraft import ModelPreDrafting
 from specrt.drafters.size import module_bytes
 from specrt.drafters.tree import draft_tree
 from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
 
-class ModelDrafter(Drafter):
+class ModelDrafterBase(Drafter, History):
+    """A draft network's chains and trees (``ModelDrafter`` below is the one with pre-drafting)."""
+
     name = "model"
     cache_name = "draft"      # which cache of the PagedKVCache it reads and writes
-    supports_pre_draft = True
     grows_trees = True
-    reads_target_kv = False   # its pre-draft may run while the verification writes the target's KV
 
     def __init__(self, model, settings: DraftSettings, accept_head=None, num_layers: int | None = None,
                  lookup: PromptLookup | None = None):
@@ -49,7 +53,6 @@ class ModelDrafter(Drafter):
         # one pair of timing events around each step's drafting, made once (read after the step's sync)
         self._events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                         if self._stream is not None else None)
-        self._verify_event = None     # recorded by mark_verify: the pre-draft waits for it, not the verification
         self.attended = 0             # context positions the last draft forward attended (all rows)
         self.lookup = lookup
         self.name = f"{self.name}+{lookup.name}" if lookup is not None else self.name   # e.g. "self+ngram"
@@ -72,38 +75,39 @@ class ModelDrafter(Drafter):
     def step_model(self) -> tuple[torch.nn.Module, int | None]:
         return self.model, self.num_layers
 
+    def limit(self, batch, max_ks: list[int]) -> DraftLimits:
+        return DraftLimits(list(max_ks), catchup=self.catchup(batch))
+
     def catchup(self, batch) -> list[int]:
-        # the draft KV lags by what it has not consumed yet (its prompt, the first time)
+        """Tokens each request's draft must consume before it can draft: the KV lag (its prompt, the first time)."""
         return [max(r.context_len - 1 - r.draft_cached, 0) for r in batch]
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
-                pre_length: PreLength | None = None) -> DraftProposal:
+    def propose(self, batch, ask: DraftAsk) -> DraftProposal:
         B, dev = len(batch), self.settings.device
-        kmax = max(ks) if ks else 0
-        if kmax == 0:
-            for r in batch:            # an overlap pre-draft is for the very next step only
-                self._take_pre_draft(r)
+        if ask.tree is not None:       # a dynamic tree per request (specrt.drafters.tree), on the draft stream
+            self._take_earlier(batch, ask.ks, range(B))     # a tree never proposes drafts made earlier
+            with self._on_stream():
+                proposal = draft_tree(self, batch, ask.nodes, ask.ks, ask.tree)
+            if self._stream is not None:   # verification waits for the drafts (an event, no host sync)
+                torch.cuda.current_stream(dev).wait_stream(self._stream)
+            return proposal
+        ks = ask.ks
+        K = max(ks) if ks else 0
+        if K == 0:
+            self._take_earlier(batch, ks, range(B))        # drafts made earlier are for this step only
             return DraftProposal(torch.full((B, 0), -1, dtype=torch.int32, device=dev), [0] * B, None,
                                  [r.draft_cached for r in batch])
         t0 = time.perf_counter()
         with self._on_stream():
             if self._events is not None:
                 self._events[0].record()
-            proposal = self._draft(batch, ks, kmax, stop_rule, pre_length)
+            proposal = self._draft(batch, ks, K, ask.stop_rule)
             if self._events is not None:
                 self._events[1].record()
         if self._stream is not None:   # verification waits for the drafts (an event, no host sync)
             torch.cuda.current_stream(dev).wait_stream(self._stream)
         proposal.cost.seconds = time.perf_counter() - t0   # host time; on CUDA the events give the device's
         proposal.cost.events = self._events
-        return proposal
-
-    def propose_tree(self, batch, budgets: list[int], depths: list[int], shape) -> DraftProposal:
-        """A dynamic tree per request (specrt.drafters.tree), on the draft stream like ``propose``."""
-        with self._on_stream():
-            proposal = draft_tree(self, batch, budgets, depths, shape)
-        if self._stream is not None:   # verification waits for the drafts (an event, no host sync)
-            torch.cuda.current_stream(self.settings.device).wait_stream(self._stream)
         return proposal
 
     def on_finish(self, request) -> None:
@@ -117,16 +121,11 @@ class ModelDrafter(Drafter):
     def source_stats(self) -> dict | None:
         return self.lookup.source_stats() if self.lookup is not None else None
 
-    def on_commit(self, request, row: int, proposal: DraftProposal, pre: PreDraft | None, kept: bool) -> int | None:
+    def on_commit(self, request, row: int, proposal: DraftProposal) -> int | None:
         if self.lookup is not None:
             self.lookup.committed(request, row, proposal)
-        fed = proposal.draft_cached[row]
-        if pre is not None:
-            fed = pre.draft_cached
-            if kept:                   # the assumption held: the next step drafts from the pre-draft
-                request.drafter_state = pre
-        # a pending pre-draft's positions stay valid; otherwise only what the target accepted
-        return fed if request.drafter_state is not None else min(fed, request.target_cached)
+        # only what the target accepted (a pre-draft's positions: specrt.drafters.predraft, settle)
+        return min(proposal.draft_cached[row], request.target_cached)
 
     # -- vocabulary (a draft whose vocabulary differs maps here)
     def draft_input_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -154,14 +153,12 @@ class ModelDrafter(Drafter):
             self._stream.wait_event(after)
         return torch.cuda.stream(self._stream)
 
-    def fence(self) -> None:
-        if self._stream is not None:   # the main stream's next KV writes wait for a running pre-draft
-            torch.cuda.current_stream(self.settings.device).wait_stream(self._stream)
-
-    def _take_pre_draft(self, r) -> PreDraft | None:
-        """Request r's overlap pre-draft, forgotten (it is for the very next step only)."""
-        pre, r.drafter_state = r.drafter_state, None
-        return pre
+    def _take_earlier(self, batch, ks: list[int], skip) -> dict[int, tuple]:
+        """Drafts made for this step in an earlier one, forgotten for every request (they are for
+        this step only): {row: (n, draft_token_ids [n], draft_probs [n, V] or None)} for the rows
+        not in ``skip`` that propose them. None here; a pre-drafting drafter keeps some
+        (specrt.drafters.predraft)."""
+        return {}
 
     def _step_features(self, reqs, starts: list[int] | None, prev_hidden, sel) -> torch.Tensor | None:
         """Extra inputs of a draft forward (feature drafts): [rows' tokens, H] or None. The first
@@ -238,15 +235,14 @@ class ModelDrafter(Drafter):
         return ops.sample_tokens(q, seeds, pos, purpose="target" if self.settings.coupled else "draft",
                                  check_values=False)
 
-    def _draft(self, batch, ks: list[int], kmax: int, stop_rule: StopRule | None,
-               pre_length: PreLength | None = None) -> DraftProposal:
+    def _draft(self, batch, ks: list[int], K: int, stop_rule: StopRule | None) -> DraftProposal:
         B, dev, V = len(batch), self.settings.device, self.settings.vocab_size
         need_probs = not self.settings.coupled and any(not r.params.greedy for r in batch)
         greedy = all(r.params.greedy for r in batch)
-        draft_ids = torch.full((B, kmax), -1, dtype=torch.int32, device=dev)          # [B, K]
-        draft_probs = torch.zeros(B, kmax, V, device=dev) if need_probs else None      # [B, K, V]
+        draft_ids = torch.full((B, K), -1, dtype=torch.int32, device=dev)          # [B, K]
+        draft_probs = torch.zeros(B, K, V, device=dev) if need_probs else None      # [B, K, V]
         n_draft = [0] * B
-        # at least the pending last token is fed (positions past the context may hold an unused pre-draft)
+        # at least the pending last token is fed (positions past the context may hold drafts made earlier)
         cached = [min(self.cached(r), r.context_len - 1) for r in batch]
         fed_until = list(cached)
         stopped = [False] * B
@@ -254,23 +250,20 @@ class ModelDrafter(Drafter):
         found = forced_drafts(batch, ks, stopped)    # what a grammar forces next: no forward
         if self.lookup is not None:        # requests whose context repeats earlier text: no forward, and
             found.update(self.lookup.propose(batch, ks, [s or b in found for b, s in enumerate(stopped)]))
-        fill_lookup_rows(found, draft_ids, draft_probs)    # (a pre-draft is not used, as without overlap)
+        fill_lookup_rows(found, draft_ids, draft_probs)    # (drafts made earlier are not used there)
         for b, prop in found.items():
             n_draft[b], stopped[b] = len(prop), True
-        for b, r in enumerate(batch):      # requests whose overlap pre-draft is still valid
-            pre = self._take_pre_draft(r)
-            n = None if b in found else self._pre_draft_use(r, pre, ks[b], pre_length)
-            if n is not None:
-                used += 1
-                draft_ids[b, :n] = pre.draft_token_ids[:n]
-                if draft_probs is not None and pre.draft_probs is not None:
-                    draft_probs[b, :n] = pre.draft_probs[:n]
-                n_draft[b], fed_until[b], stopped[b] = n, self.cached(r), True
+        for b, (n, ids, probs) in self._take_earlier(batch, ks, found).items():   # drafts made earlier
+            used += 1
+            draft_ids[b, :n] = ids
+            if draft_probs is not None and probs is not None:
+                draft_probs[b, :n] = probs
+            n_draft[b], fed_until[b], stopped[b] = n, self.cached(batch[b]), True
         cost = DraftCost()
         ctl = batch_controls(batch, dev)
         prev, prev_rows = None, []      # the tokens [rows] sampled by the last draft step, and their rows
         hidden = None                   # the last draft step's hidden [rows, H] (when the model returns it)
-        for j in range(kmax):
+        for j in range(K):
             rows = [b for b in range(B) if j < ks[b] and not stopped[b]]
             if not rows:
                 break
@@ -310,16 +303,6 @@ class ModelDrafter(Drafter):
             prev, prev_rows = x, rows
         return DraftProposal(draft_ids, n_draft, draft_probs, fed_until, cost, used, frozenset(found))
 
-    @staticmethod
-    def _pre_draft_use(r, pre, k: int, pre_length: PreLength | None) -> int | None:
-        """How many of a kept pre-draft's tokens request r proposes this step (its first n are what
-        drafting afresh would propose: the same context, positions and noise), or None: draft afresh."""
-        if not isinstance(pre, PreDraft) or pre.context_len != r.context_len:
-            return None                # not a pre-draft for this very step
-        if pre_length is not None:
-            return pre_length(r, k, pre)
-        return k if k <= pre.num_tokens else None
-
     def _stopping(self, stop_rule: StopRule, reqs, depth: int, logits, hidden, x) -> list[int]:
         """Rows whose drafting stops before token ``depth`` (one intentional sync per draft step:
         the confidence / head policies decide on the host). Confidence is the draft model's own
@@ -332,178 +315,6 @@ class ModelDrafter(Drafter):
         qx = qx.cpu().tolist()
         return [i for i, r in enumerate(reqs) if stop_rule(r, depth, qx[i], None if p_acc is None else p_acc[i])]
 
-    # -- overlap
-    def reserve_pre_draft(self, batch, proposal: DraftProposal, next_ks: list[int]) -> list[int]:
-        """KV slots for the next round's pre-drafts, taken before the verification is enqueued (a
-        copy-on-write copy they cause then precedes it); 0 for rows that got none."""
-        kv, n_of = self.kv, proposal.num_draft_tokens
-        out = []
-        for b, r in enumerate(batch):
-            k = 0 if b in proposal.lookup_rows else next_ks[b]   # a lookup row's draft KV did not advance
-            need = r.context_len + n_of[b] + k - kv.num_tokens(r.request_id)
-            ok = k > 0 and kv.append_slots(r.request_id, max(need, 0))
-            out.append(k if ok else 0)
-        return out
 
-    def mark_verify(self) -> None:
-        if self._stream is not None:   # what the pre-draft waits for: everything before the verification
-            self._verify_event = torch.cuda.Event()
-            self._verify_event.record()
-
-    def pre_draft(self, batch, ks: list[int], proposal: DraftProposal, next_ks: list[int],
-                  stop_rules: list | None = None) -> dict[int, PreDraft]:
-        """Overlap: while the target verifies this round, draft the next one assuming every draft
-        is accepted and the bonus token equals the draft's own guess. Enqueued on the draft stream
-        after what preceded the verification (a drafter reading the target's KV: after the
-        verification), so on CUDA it runs concurrently. ``stop_rules[b](depth, q(x), p_accept)``:
-        the policy's prediction of where the next step stops drafting (each answer a host sync)."""
-        rows = [b for b in range(len(batch)) if next_ks[b] > 0]
-        if not rows:
-            return {}
-        t0 = time.perf_counter()
-        main = torch.cuda.current_stream(self.settings.device) if self._stream is not None else None
-        with self._on_stream(after=None if self.reads_target_kv else self._verify_event):
-            # the logit controls' history each pre-drafted token assumes (None: no request has controls)
-            assumed = _AssumedHistory.make(batch, proposal, rows, max(next_ks[b] for b in rows), self.settings.device)
-            guess, base = self._pre_guess(batch, rows, proposal, main, assumed)
-            out = self._pre_steps(batch, rows, [next_ks[b] for b in rows], guess, base,
-                                  [stop_rules[b] if stop_rules else None for b in rows], assumed)
-        seconds = (time.perf_counter() - t0) / len(rows)
-        return {b: PreDraft(guess[i], out.ids[i, :out.n[i]], None if out.probs is None else out.probs[i, :out.n[i]],
-                            out.n[i], out.held[i], seconds, base[i] + 1, out.conf[i], out.p_acc[i])
-                for i, b in enumerate(rows)}
-
-    def _pre_guess(self, batch, rows: list[int], proposal: DraftProposal, main, assumed: "_AssumedHistory | None"):
-        """Feed each row's last draft x_n; guess the bonus token at position L + n. Returns (guess
-        [rows] int32, the bonus positions). The main stream waits for the guesses (the step's
-        device->host copy reads them), not for the rest of the pre-draft."""
-        dev, n_of = self.settings.device, proposal.num_draft_tokens
-        reqs = [batch[b] for b in rows]
-        width = proposal.draft_token_ids.shape[1]
-        last = torch.tensor([b * width + n_of[b] - 1 for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
-        feed = proposal.draft_token_ids.view(-1).index_select(0, last).long()
-        base = [r.context_len + n_of[b] for b, r in zip(rows, reqs)]   # position of the bonus
-        # a drafter on the target's KV does not rewrite x_n's slot: the verification wrote the target's own
-        q, _, _ = self._forward(reqs, feed, base, [1] * len(rows), [r.num_generated + n_of[b] for b, r in zip(rows, reqs)],
-                                history=assumed.at(list(range(len(rows))), 0) if assumed else None,
-                                write=not self.reads_target_kv)
-        if self.settings.coupled:
-            guess = self._sample(q, reqs, base)        # the target's own race noise: likely the bonus
-        else:
-            guess = q.argmax(-1).to(torch.int32)       # the draft's most likely bonus
-        if assumed:
-            assumed.append(None, 0, guess)
-        if main is not None:          # the main stream reads the guesses: it waits for them alone
-            ready = torch.cuda.Event()
-            ready.record(self._stream)
-            main.wait_event(ready)
-            guess.record_stream(main)
-        return guess, base
-
-    def _pre_steps(self, batch, rows: list[int], k_next: list[int], guess, base: list[int], rules: list,
-                   assumed: "_AssumedHistory | None"):
-        """The pre-draft's drafting loop from the guessed bonus; rows with a stop rule stop where
-        it says (the token it stops at is not proposed)."""
-        dev, V = self.settings.device, self.settings.vocab_size
-        reqs = [batch[b] for b in rows]
-        R, kmax = len(rows), max(k_next)
-        need_probs = not self.settings.coupled and any(not r.params.greedy for r in reqs)
-        out = _PreOut(torch.full((R, kmax), -1, dtype=torch.int32, device=dev),
-                      torch.zeros(R, kmax, V, device=dev) if need_probs else None, list(k_next),
-                      [base[i] + k_next[i] for i in range(R)],
-                      [[] if rules[i] else None for i in range(R)],
-                      [[] if rules[i] and self.accept_head is not None else None for i in range(R)])
-        feed = guess.long()
-        active = list(range(R))
-        for j in range(kmax):
-            active = [i for i in active if j < out.n[i]]
-            if not active:
-                break
-            sel = torch.tensor(active, dtype=torch.int64).to(dev, non_blocking=True)
-            sub = [reqs[i] for i in active]
-            seq = [base[i] + 1 + j for i in active]
-            q, logits, hidden = self._forward(sub, feed.index_select(0, sel), seq, [1] * len(active),
-                                              [reqs[i].num_generated + (base[i] - reqs[i].context_len) + 1 + j
-                                               for i in active],
-                                              history=assumed.at(active, 1 + j) if assumed else None)
-            y = self._sample(q, sub, seq)
-            if assumed:
-                assumed.append(sel, 1 + j, y)
-            out.ids[sel, j] = y
-            if out.probs is not None:
-                out.probs[sel, j] = q
-            ruled = [a for a, i in enumerate(active) if rules[i] is not None]
-            if ruled:
-                for a, stop in self._pre_stops(ruled, [active[a] for a in ruled], rules, out, j, logits, hidden, y):
-                    if stop:
-                        i = active[a]
-                        out.n[i], out.held[i] = j, base[i] + 1 + j
-            feed = torch.zeros(R, dtype=torch.int64, device=dev)
-            feed[sel] = y.long()
-        return out
-
-    def _pre_stops(self, ruled: list[int], idx: list[int], rules, out: "_PreOut", depth: int, logits, hidden, y):
-        """(position in the active rows, stop?) for rows with a stop rule at ``depth``; records the
-        values the next step replays (one host sync, as drafting with such a policy does)."""
-        sel = torch.tensor(ruled, dtype=torch.int64).to(logits.device, non_blocking=True)
-        lg = logits.index_select(0, sel)
-        qx = torch.softmax(lg, -1).gather(1, y.index_select(0, sel).long()[:, None])[:, 0]
-        p_acc = None
-        if self.accept_head is not None:
-            p_acc = self.accept_head(hidden.index_select(0, sel).float(), qx).float().cpu().tolist()
-        qx = qx.cpu().tolist()
-        res = []
-        for t, (a, i) in enumerate(zip(ruled, idx)):
-            pa = None if p_acc is None else p_acc[t]
-            out.conf[i].append(qx[t])
-            if out.p_acc[i] is not None:
-                out.p_acc[i].append(pa)
-            res.append((a, rules[i](depth, qx[t], pa)))
-        return res
-
-
-class _PreOut:
-    """The pre-draft loop's results per pre-drafted row."""
-
-    def __init__(self, ids, probs, n, held, conf, p_acc):
-        self.ids = ids          # [R, K] int32 drafted tokens (-1 padded)
-        self.probs = probs      # [R, K, V] float32 or None
-        self.n = n              # [R] tokens proposed (cut where a stop rule stopped)
-        self.held = held        # [R] positions the draft KV holds if the pre-draft is kept
-        self.conf = conf        # [R] q(x) per depth evaluated, or None (no stop rule)
-        self.p_acc = p_acc      # [R] the acceptance head's estimate per depth, or None
-
-class _AssumedHistory:
-    """Overlap: the history a pre-draft assumes for the logit controls, per request b of the batch:
-    this round's drafts [:n_b], then the guessed bonus token, then the pre-drafts so far."""
-
-    def __init__(self, ctl, tokens: torch.Tensor, rows: list[int], start: torch.Tensor, n_of: list[int]):
-        self.ctl = ctl
-        self.tokens = tokens      # [B, K + 1 + k_next] int32, -1 padded
-        self.rows = rows          # pre-drafted rows of the batch
-        self.start = start        # [len(rows)] int64: where each row's guess goes (n_b)
-        self.n_of = n_of          # [B] this round's draft counts
-
-    @staticmethod
-    def make(batch, proposal: DraftProposal, rows: list[int], k_next: int, dev) -> "_AssumedHistory | None":
-        ctl = batch_controls(batch, dev)
-        if ctl is None:
-            return None
-        width = proposal.draft_token_ids.shape[1]
-        tokens = torch.full((len(batch), width + 1 + k_next), -1, dtype=torch.int32, device=dev)
-        tokens[:, :width] = proposal.draft_token_ids
-        n_of = proposal.num_draft_tokens
-        start = torch.tensor([n_of[b] for b in rows], dtype=torch.int64).to(dev, non_blocking=True)
-        return _AssumedHistory(ctl, tokens, rows, start, n_of)
-
-    def at(self, active: list[int], step: int) -> tuple:
-        """apply_controls' history for the active pre-draft rows producing token n_b + step."""
-        return self.ctl, [self.rows[i] for i in active], [self.n_of[self.rows[i]] + step for i in active], self.tokens
-
-    def append(self, sel: torch.Tensor | None, step: int, tokens: torch.Tensor) -> None:
-        """Record the tokens [len(sel)] the selected rows (None: all) produced at n_b + step."""
-        rows = torch.tensor(self.rows, dtype=torch.int64).to(self.tokens.device, non_blocking=True)
-        start = self.start
-        if sel is not None:
-            rows, start = rows.index_select(0, sel), start.index_select(0, sel)
-        self.tokens[rows, start + step] = tokens.to(torch.int32)
+class ModelDrafter(ModelPreDrafting, ModelDrafterBase):
+    """A draft model's drafter: ModelDrafterBase with pre-drafting (overlap)."""

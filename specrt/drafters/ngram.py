@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal, StopRule
+from specrt.drafters.base import DraftAsk, DraftCost, Drafter, DrafterState, DraftLimits, DraftProposal
 
 
 class _Index:
@@ -24,7 +24,7 @@ class _Index:
         self.latest = {n: {} for n in range(min_n, max_n + 1)}   # n -> {n-gram: latest start}
 
 
-class NgramState:
+class NgramState(DrafterState):
     """One request's n-gram index and what its last proposal matched."""
 
     __slots__ = ("index", "match_n")
@@ -96,10 +96,10 @@ class NgramProposer:
 class NgramDrafter(Drafter):
     """Drafts each request's n-gram proposal. A proposal costs microseconds, so ``limit`` makes
     it before planning: the policy then knows which requests have one and how long (their
-    caps), and the drafts are its prefixes."""
+    max_ks), and the drafts are its prefixes."""
 
     name = "ngram"
-    caps_vary = True
+    limits_vary = True
 
     def __init__(self, proposer: NgramProposer, device):
         self.proposer = proposer
@@ -112,17 +112,16 @@ class NgramDrafter(Drafter):
         r.evidence_class = r.drafter_state.match_n
         return prop
 
-    def limit(self, batch, caps: list[int]) -> DraftLimits:
+    def limit(self, batch, max_ks: list[int]) -> DraftLimits:
         t0 = time.perf_counter()
-        known = {r.request_id: self._propose(r, c) for r, c in zip(batch, caps)}
+        known = {r.request_id: self._propose(r, c) for r, c in zip(batch, max_ks)}
         return DraftLimits([len(known[r.request_id]) for r in batch], known, time.perf_counter() - t0)
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule: StopRule | None,
-                pre_length=None) -> DraftProposal:
-        B = len(batch)
-        kmax = max(ks) if ks else 0
-        ids = torch.full((B, kmax), -1, dtype=torch.int32)
-        if kmax == 0:
+    def propose(self, batch, ask: DraftAsk) -> DraftProposal:
+        B, ks, limits = len(batch), ask.ks, ask.limits
+        K = max(ks) if ks else 0
+        ids = torch.full((B, K), -1, dtype=torch.int32)
+        if K == 0:
             return DraftProposal(ids.to(self.device), [0] * B, None, None)
         t0 = time.perf_counter()
         known = limits.known if limits is not None else {}
@@ -133,4 +132,4 @@ class NgramDrafter(Drafter):
             ids[b, :len(prop)] = torch.tensor(prop, dtype=torch.int32)
             n.append(len(prop))
         return DraftProposal(ids.to(self.device), n, None, None,
-                             DraftCost(time.perf_counter() - t0, forwards=kmax, tokens_fed=sum(n)))
+                             DraftCost(time.perf_counter() - t0, forwards=K, tokens_fed=sum(n)))

@@ -3,7 +3,7 @@ decoder layers on the target's own token embeddings, whose head covers only N of
 V tokens (FR-Spec, Zhao et al. 2025; the head is the target's tied embedding rows of those ids).
 
 It drafts exactly like a separate draft model (ModelDrafter: its own paged KV cache on the
-target's block tables, catch-up, overlap pre-draft); only its logits differ: they cover the N
+target's block tables, catch-up, pre-drafting); only its logits differ: they cover the N
 mapped ids, and every other target token gets logit -inf, so its draft probability is exactly
 zero. Rejection sampling stays exact: a token the draft cannot propose is still emitted through
 the residual max(p - q, 0), which then carries all of its target probability. Greedy output
@@ -19,8 +19,10 @@ from specrt.drafters.model import ModelDrafter
 from specrt.drafters.size import module_bytes
 
 
-class ReducedDrafter(ModelDrafter):
-    name = "reduced"
+class ReducedVocab:
+    """A DraftModel's reduced head over the target's vocabulary, mixed into a network drafter
+    (specrt.drafters.model.ModelDrafterBase): ReducedDrafter here, FeatureDrafter."""
+
     kind = "layers"           # the DraftModel kind it drafts with (a feature draft: FeatureDrafter)
 
     def __init__(self, draft, settings: DraftSettings, lookup: PromptLookup | None = None):
@@ -48,3 +50,8 @@ class ReducedDrafter(ModelDrafter):
         """[rows, N] draft-vocabulary logits -> [rows, V]: -inf on every id the head does not cover."""
         out = logits.new_full((logits.shape[0], self.settings.vocab_size), float("-inf"))
         return out.index_copy_(1, self._ids, logits)
+
+
+class ReducedDrafter(ReducedVocab, ModelDrafter):
+    name = "reduced"
+

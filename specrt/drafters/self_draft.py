@@ -2,14 +2,14 @@
 and writing the target's own KV cache for those layers (nothing duplicated, no catch-up: the
 target's verify writes every position the draft reads).
 
-Overlap works as for a draft model, with one difference: the pre-draft reads the KV the
+Pre-drafting works as for a draft model, with one difference: the pre-draft reads the KV the
 verification writes (the target's own layers), so on CUDA it runs after the verification on
 the draft stream, and it never rewrites the slot of the last draft token (the verification wrote
 the target's own K/V there). Its tokens are proposals only: a kept pre-draft holds no KV (the
 next verification writes every position it verifies)."""
 from __future__ import annotations
 
-from specrt.drafters.base import DraftSettings, PreDraft
+from specrt.drafters.base import DraftSettings
 from specrt.drafters.lookup import PromptLookup
 from specrt.drafters.model import ModelDrafter
 from specrt.drafters.size import module_bytes
@@ -40,7 +40,5 @@ class SelfDrafter(ModelDrafter):
     def catchup(self, batch) -> list[int]:
         return [0] * len(batch)
 
-    def on_commit(self, request, row: int, proposal, pre: PreDraft | None, kept: bool) -> int | None:
-        if pre is not None and kept:   # the next step proposes from the pre-draft
-            request.drafter_state = pre
-        return None
+    def on_commit(self, request, row: int, proposal) -> int | None:
+        return None                    # no KV of its own (a kept pre-draft's tokens: settle)

@@ -8,6 +8,10 @@
                          (e.g. "smollm2-135m-draft") is told apart when it loads (specrt.drafters.factory)
     "MODEL+ngram[:min[:max]]" / "MODEL+suffix[:k=v,...]"   that lookup in front of a draft model or
                          self:N (specrt.drafters.lookup); one named alone gets SpecConfig.lookup there
+    "NAME[:ARGS]"        a drafter registered under NAME (``register_drafter``; ARGS: ``DraftSpec.args``)
+
+The drafter of each kind is built by the function registered for it (``register_drafter``: one
+line per drafter; the built-in kinds' lines are in specrt.drafters.factory).
 
 Every other module reads the record: the factory builds the drafter from it, loading learns whether
 draft_quantize / draft_dtype apply, the server and the demo check their flags against it. The
@@ -17,12 +21,37 @@ settings after "suffix:" and the lookup's own options are read where they are us
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Callable, Literal
 
-DraftKind = Literal["none", "model", "self", "ngram", "suffix"]
 LookupKind = Literal["ngram", "suffix"]
 LOOKUPS: tuple[str, ...] = ("ngram", "suffix")   # what may go in front of a draft model or self:N
+BUILTIN_KINDS = ("none", "model", "self", "ngram", "suffix")   # spelled as the module docstring says
+
+# build(spec, context) -> the drafter (specrt.drafters.base.Drafter) that ``spec`` asks for;
+# context: specrt.drafters.factory.DraftContext (the target, the settings, how a model loads)
+Builder = Callable[["DraftSpec", object], object]
+_BUILDERS: dict[str, Builder] = {}
+
+
+def register_drafter(name: str, build: Builder) -> None:
+    """``draft="name"`` (or ``"name:ARGS"``) builds its drafter with ``build(spec, context)``. The
+    built-in kinds are registered by specrt.drafters.factory; a new name must be a lower-case word
+    that is not a built-in spelling. Registering a name again replaces its builder."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"a drafter's name must be a lower-case word, got {name!r:.40}")
+    if not callable(build):
+        raise ValueError(f"register_drafter({name!r}, build): build must be callable")
+    _BUILDERS[name] = build
+
+
+def drafter_builder(kind: str) -> Builder:
+    """The function registered for ``kind`` (KeyError naming the registered ones otherwise)."""
+    try:
+        return _BUILDERS[kind]
+    except KeyError:
+        raise KeyError(f"no drafter registered as {kind!r} (registered: {sorted(_BUILDERS)})") from None
 
 
 @dataclass(frozen=True)
@@ -34,7 +63,7 @@ class DraftSpec:
     "suffix". The other fields belong to one kind each; ``lookup`` is the prompt lookup in front
     of a "model" or "self" drafter."""
 
-    kind: DraftKind = "none"
+    kind: str = "none"                     # a BUILTIN_KINDS entry or a registered name
     given: str | os.PathLike | None = None    # the argument as given (for messages)
     source: str | os.PathLike | None = None   # "model": "builtin", a name, a folder or a .gguf path
     self_layers: int | None = None         # "self": N, how many of the target's first layers draft
@@ -43,6 +72,7 @@ class DraftSpec:
     lookup: LookupKind | None = None       # the lookup in front of a "model" / "self" drafter (None: none)
     lookup_spec: str | None = None         # its spelling, "ngram[:min[:max]]" / "suffix[:key=value,...]" (make_lookup)
     lookup_named: bool = False             # the lookup came after '+' in the string (else from SpecConfig.lookup)
+    args: str = ""                         # a registered kind: the text after "NAME:" (its builder reads it)
 
     @property
     def speculative(self) -> bool:
@@ -70,6 +100,8 @@ class DraftSpec:
             return ":".join(["ngram", *(str(n) for n in self.ngram_sizes)])
         if self.kind == "suffix":
             return str(self.suffix)
+        if self.kind != "none":
+            return f"{self.kind}:{self.args}" if self.args else self.kind
         return "none"
 
     @property
@@ -141,6 +173,8 @@ def _parse_drafter(draft: str, head: str) -> DraftSpec:
         except ValueError:
             raise ValueError(f"draft={draft!r}: self:N needs an integer N, got {rest!r}") from None
         return DraftSpec("self", draft, self_layers=layers)
+    if name in _BUILDERS and name not in BUILTIN_KINDS:
+        return DraftSpec(name, draft, args=rest)
     return DraftSpec("model", draft, source=head)
 
 

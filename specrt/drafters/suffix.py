@@ -29,10 +29,11 @@ from typing import Hashable
 
 import torch
 
-from specrt.drafters.base import DraftCost, Drafter, DraftLimits, DraftProposal
+from specrt.config import clamp_k
+from specrt.drafters.base import DraftAsk, DraftCost, Drafter, DrafterState, DraftLimits, DraftProposal, History
 from specrt.drafters.tree import is_chain, node_depths
 
-DEFAULT_DRAFT_LENGTH = 16     # suffix drafts run long where the history repeats (max_draft_length's default)
+DEFAULT_MAX_DRAFT_LENGTH = 16     # suffix drafts run long where the history repeats (max_draft_length's default)
 SOURCES = ("request", "global")
 DEPTH_PRIOR = (0.8, 2.0)      # a depth's acceptance rate before evidence, and its weight in verifies
 DEPTH_WINDOW = 256.0          # a depth's counts halve past this many verifies (recent evidence weighs most)
@@ -169,7 +170,7 @@ class DepthRates:
 
 
 @dataclass
-class SuffixState:
+class SuffixState(DrafterState):
     """A request's own index and what this drafter knows about it."""
 
     index: object                 # SuffixIndex over this request's tokens (sequence 0)
@@ -224,8 +225,8 @@ def span(s: SuffixSettings) -> int:
     return s.max_match + max_depth(s, s.max_match, 1024)
 
 
-def max_depth(s: SuffixSettings, match_len: int, cap: int) -> int:
-    return max(1, min(cap, int(math.ceil(s.match_factor * match_len)), 256))
+def max_depth(s: SuffixSettings, match_len: int, max_k: int) -> int:
+    return max(1, clamp_k(max_k, int(math.ceil(s.match_factor * match_len)), 256))
 
 
 class SuffixLookup:
@@ -237,8 +238,8 @@ class SuffixLookup:
         self.indexes = SuffixIndexes(settings)
         self.coupled = coupled     # acceptance="coupled": sampled output does not depend on the drafts
 
-    def tree(self, r, cap: int, state_attr: str = "drafter_state") -> SuffixTree | None:
-        """Request r's best suffix tree of at most ``cap`` levels (None: no match)."""
+    def tree(self, r, max_k: int, state_attr: str = "drafter_state") -> SuffixTree | None:
+        """Request r's best suffix tree of at most ``max_k`` levels (None: no match)."""
         s = self.settings
         st = getattr(r, state_attr)
         if not isinstance(st, SuffixState):
@@ -255,7 +256,7 @@ class SuffixLookup:
             st.index.append(0, out[st.indexed - len(prompt):])
             st.indexed = total
         st.tree = None
-        if cap <= 0:
+        if max_k <= 0:
             return None
         tail = out[-s.max_match:] if len(out) >= s.max_match else (prompt + out)[-s.max_match:]
         best = None
@@ -269,10 +270,10 @@ class SuffixLookup:
                 continue
             self.indexes.stats[source].lookups += 1
             m, toks, parents, probs, _ = idx.draft(tail, s.max_match, s.min_match, s.max_nodes,
-                                                   max_depth(s, min(s.max_match, len(tail)), cap), s.min_prob)
+                                                   max_depth(s, min(s.max_match, len(tail)), max_k), s.min_prob)
             if not toks:
                 continue
-            tree = _shape(SuffixTree(toks, parents, probs, source, m), max_depth(s, m, cap),
+            tree = _shape(SuffixTree(toks, parents, probs, source, m), max_depth(s, m, max_k),
                           self.indexes.rates[source] if shared else PRIOR_RATES, s.min_prob)
             if tree.tokens and (best is None or tree.expected > best.expected):
                 best = tree
@@ -331,38 +332,40 @@ def _shape(tree: SuffixTree, depth_cap: int, rates: DepthRates, min_prob: float)
                       probs, tree.source, tree.match_len)
 
 
-class SuffixDrafter(Drafter):
-    """``draft="suffix"``: no model. ``limit`` looks every request up before planning (its caps:
+class SuffixDrafter(Drafter, History):
+    """``draft="suffix"``: no model. ``limit`` looks every request up before planning (its max_ks:
     the tree's nodes; the engine lets a chain run past the tree budget); ``propose`` drafts each
-    tree's most probable chain, ``propose_tree`` the tree pruned to the step's budget and costs."""
+    tree's most probable chain, or asked for trees the tree pruned to the step's budget and costs."""
 
     name = "suffix"
-    caps_vary = True
+    limits_vary = True
     grows_trees = True
-    default_draft_length = DEFAULT_DRAFT_LENGTH
+    default_max_draft_length = DEFAULT_MAX_DRAFT_LENGTH
 
     def __init__(self, settings: SuffixSettings, device, coupled: bool = False):
         self.lookup = SuffixLookup(settings, coupled)
         self.device = device
 
-    def limit(self, batch, caps: list[int]) -> DraftLimits:
+    def limit(self, batch, max_ks: list[int]) -> DraftLimits:
         t0 = time.perf_counter()
         known: dict[Hashable, list[int]] = {}
-        out_caps, chains = [], {}
-        for r, c in zip(batch, caps):
+        found_ks, chains = [], {}
+        for r, c in zip(batch, max_ks):
             tree = self.lookup.tree(r, c)
             prop = [] if tree is None else tree.chain(c)
-            out_caps.append(len(prop))
+            found_ks.append(len(prop))
             if prop:
                 known[r.request_id] = prop
                 if is_chain(tree.parents):        # verified causally: not bound by the tree budget
                     chains[r.request_id] = len(prop)
-        return DraftLimits(out_caps, known, time.perf_counter() - t0, chains=chains)
+        return DraftLimits(found_ks, known, time.perf_counter() - t0, chains=chains)
 
-    def propose(self, batch, ks: list[int], limits: DraftLimits | None, stop_rule=None,
-                pre_length=None) -> DraftProposal:
-        B, kmax = len(batch), max(ks, default=0)
-        ids = torch.full((B, kmax), -1, dtype=torch.int32)
+    def propose(self, batch, ask: DraftAsk) -> DraftProposal:
+        if ask.tree is not None:
+            return self._propose_tree(batch, ask.nodes, ask.tree)
+        ks = ask.ks
+        B, K = len(batch), max(ks, default=0)
+        ids = torch.full((B, K), -1, dtype=torch.int32)
         t0 = time.perf_counter()
         n = []
         for b, r in enumerate(batch):
@@ -376,7 +379,7 @@ class SuffixDrafter(Drafter):
         return DraftProposal(ids.to(self.device), n, None, None,
                              DraftCost(time.perf_counter() - t0, forwards=0, tokens_fed=0))
 
-    def propose_tree(self, batch, budgets: list[int], depths: list[int], shape) -> DraftProposal:
+    def _propose_tree(self, batch, budgets: list[int], shape) -> DraftProposal:
         B = len(batch)
         t0 = time.perf_counter()
         picked, parents, expected = [], [], []
@@ -397,7 +400,7 @@ class SuffixDrafter(Drafter):
         return DraftProposal(ids.to(self.device), [len(t) for t in picked], None, None,
                              DraftCost(time.perf_counter() - t0), node_parents=parents, expected_accepted=expected)
 
-    def on_commit(self, request, row: int, proposal: DraftProposal, pre, kept: bool):
+    def on_commit(self, request, row: int, proposal: DraftProposal):
         self.lookup.record(request, proposal.num_draft_tokens[row], request.target_cached - request.context_len)
         return None
 

@@ -170,15 +170,13 @@ class _Candidates:
 
 
 def draft_tree(drafter, batch, budgets: list[int], depths: list[int], shape: TreeShape) -> DraftProposal:
-    """A dynamic tree per request (module docstring) from a ModelDrafter's network: ``budgets[b]``
+    """A dynamic tree per request (module docstring) from a ModelDrafterBase's network: ``budgets[b]``
     nodes at most (0: nothing drafted; the request's draft KV then keeps what it held), paths of
     at most ``depths[b]`` (<= shape.max_depth) nodes. The
     draft's K/V of forwarded nodes lie past the context and are dropped (draft_cached is the
     context): the next step's catch-up feeds the accepted tokens."""
     B, dev = len(batch), drafter.settings.device
     t0 = time.perf_counter()
-    for r in batch:                     # no overlap pre-draft feeds a tree
-        drafter._take_pre_draft(r)
     cached = [min(drafter.cached(r), r.context_len - 1) for r in batch]
     found = {}
     if drafter.lookup is not None:      # an n-gram match drafts its continuation as a chain, no forward

@@ -27,8 +27,8 @@ def _apply_penalties_fake(logits, row_request, row_offset, draft_token_ids, entr
 
 def _tokens_and_counts(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch._check(like.dim() == 3, lambda: f"expected [B, K+1, V], got shape {list(like.shape)}")
-    b, k1 = like.shape[0], like.shape[1]
-    return like.new_empty((b, k1), dtype=torch.int32), like.new_empty((b,), dtype=torch.int32)
+    b, width = like.shape[0], like.shape[1]
+    return like.new_empty((b, width), dtype=torch.int32), like.new_empty((b,), dtype=torch.int32)
 
 
 @torch.library.register_fake("specrt::verify_greedy")

@@ -52,14 +52,14 @@ def greedy_temperature() -> float:
     return float(torch.ops.specrt.greedy_temperature())
 
 
-def attention_cpu_isa(cap: int = -1) -> int:
+def attention_cpu_isa(level: int = -1) -> int:
     """Testing hook: cap the instruction set of the CPU attention kernel (0 portable scalar code,
     1 AVX2+FMA, 2 AVX-512 with every lane group 16 wide, 3 AVX-512 with narrow groups for few
     queries per kv head, 4 the same with the many-lane tile reading a bf16 cache's keys in place;
     -1 only asks) and return the level in use before the call. Without a cap the kernel takes the
     CPU's preferred level (4 on AMD, 3 on other AVX-512 CPUs) under the ``SPECRT_CPU_ISA`` ceiling
     (avx2: 1, scalar: 0). Every level returns the same bits; tests use this to check that."""
-    return int(torch.ops.specrt._attention_cpu_isa(int(cap)))
+    return int(torch.ops.specrt._attention_cpu_isa(int(level)))
 
 
 def attention_tile_keys() -> int:

@@ -51,14 +51,14 @@ def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def philox4x32_10(ctr: list[torch.Tensor], key0: torch.Tensor, key1: torch.Tensor) -> list[torch.Tensor]:
     """Philox4x32-10 of broadcastable int64 tensors holding uint32 words."""
     c0, c1, c2, c3 = (torch.as_tensor(c, dtype=torch.int64) & _M32 for c in ctr)
-    k0 = torch.as_tensor(key0, dtype=torch.int64) & _M32
-    k1 = torch.as_tensor(key1, dtype=torch.int64) & _M32
+    key0 = torch.as_tensor(key0, dtype=torch.int64) & _M32
+    key1 = torch.as_tensor(key1, dtype=torch.int64) & _M32
     for _ in range(10):
         hi0, lo0 = _mulhilo32(_PHILOX_M0, c0)
         hi1, lo1 = _mulhilo32(_PHILOX_M1, c2)
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = (k0 + _PHILOX_W0) & _M32
-        k1 = (k1 + _PHILOX_W1) & _M32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ key0, lo1, hi0 ^ c3 ^ key1, lo0
+        key0 = (key0 + _PHILOX_W0) & _M32
+        key1 = (key1 + _PHILOX_W1) & _M32
     return [c0, c1, c2, c3]
 
 
@@ -240,8 +240,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows) -> No
 def verify_greedy(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
                   num_draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept draft i while it equals the target's argmax at i; emit argmax at the first miss."""
-    b, k1, _ = target_logits.shape
-    out = torch.full((b, k1), -1, dtype=torch.int32)
+    b, width, _ = target_logits.shape
+    out = torch.full((b, width), -1, dtype=torch.int32)
     num_accepted = torch.zeros(b, dtype=torch.int32)
     best = argmax_nan_low(target_logits)  # [B, K+1]
     for r in range(b):
@@ -260,8 +260,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact speculative sampling (docs/architecture.md section 2). positions[b] is the absolute
     position of draft token 0 of request b (draft token i sits at positions[b] + i)."""
-    b, k1, _ = target_probs.shape
-    out = torch.full((b, k1), -1, dtype=torch.int32)
+    b, width, _ = target_probs.shape
+    out = torch.full((b, width), -1, dtype=torch.int32)
     num_accepted = torch.zeros(b, dtype=torch.int32)
     for r in range(b):
         n = int(num_draft_tokens[r])

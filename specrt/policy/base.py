@@ -1,10 +1,12 @@
 """Draft-length policies: the interface and the simple ones (fixed, confidence, head).
 
 A policy answers three questions:
-- ``plan(requests, k_caps, costs, catchup)`` -> K per request before drafting (the cap);
+- ``plan(requests, max_ks, costs, catchup)`` -> K per request before drafting (the max_k);
 - ``should_stop(request, depth, draft_prob, p_accept)`` -> stop drafting a request early at
   ``depth`` (only asked when ``stops_early``: it needs per-draft-step host values);
-- ``observe(request, drafted, accepted)`` after verification (acceptance history).
+- ``observe(request, drafted, accepted)`` after verification (acceptance history);
+and, ahead of time (what the next step will decide if every draft of this one is accepted:
+pre-drafting, specrt.overlap), ``k_ahead``, ``stop_rule_ahead`` and ``replayed_length``.
 
 Every policy changes only which tokens are proposed, never the output distribution.
 """
@@ -14,7 +16,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from specrt.config import SpecConfig
+from specrt.config import SpecConfig, clamp_k
 from specrt.policy import tuning
 
 
@@ -58,16 +60,15 @@ def keep_history(request, window: int) -> deque:
 class DraftPolicy:
     name = "fixed"
     stops_early = False      # should_stop is asked after every draft token (one host sync per draft step)
-    k_known_ahead = False    # the next step's K is known before this step's outcome (overlap may pre-draft)
 
     def __init__(self, spec: SpecConfig):
         self.spec = spec
         self._gain: dict = {}      # tag -> moving average of accepted drafts per step (None key: all tags)
 
-    def plan(self, requests, k_caps: list[int], costs=None, catchup: list[int] | None = None) -> list[int]:
-        """K per request (<= its cap). ``catchup``: tokens each request's draft must consume
+    def plan(self, requests, max_ks: list[int], costs=None, catchup: list[int] | None = None) -> list[int]:
+        """K per request (<= its max_k). ``catchup``: tokens each request's draft must consume
         before it can draft (its draft KV's lag); only the budget policy prices it."""
-        return [max(min(self.spec.max_draft_length, cap), 0) for cap in k_caps]
+        return [clamp_k(self.spec.max_draft_length, m) for m in max_ks]
 
     def dormant(self, num_requests: int) -> bool:
         """True: this step drafts nothing and the engine need not plan it at all (see
@@ -95,25 +96,26 @@ class DraftPolicy:
         st, w = request.stats, tuning.TAG_PRIOR_STEPS
         return (st.accepted / K + prior * w) / (st.steps + w)
 
-    def next_k(self, request, k: int, drafted: int, cap: int) -> int:
-        """Overlap: how many tokens to pre-draft for the next step of a request that drafted
-        ``drafted`` of the ``k`` asked this step, if all are accepted (its next cap: ``cap``).
-        The policies that plan the cap (fixed, confidence, head) ask for the cap; the drafting
-        stops early where ``pre_stop`` says."""
-        return cap
+    def k_ahead(self, request, k: int, drafted: int, max_k: int) -> int:
+        """The K the next step drafts for a request that drafted ``drafted`` of the ``k`` asked
+        this step, if all are accepted (its next max_k: ``max_k``). The policies that plan the max_k
+        (fixed, confidence, head) ask for the max_k; the drafting stops early where
+        ``stop_rule_ahead`` says."""
+        return max_k
 
-    def pre_stop(self, request, drafted: int):
-        """Overlap: the stop rule the next step will apply to a request whose ``drafted`` tokens
-        of this step are all accepted (None: the policy does not stop early). The rule answers
-        as ``should_stop`` will after that outcome is observed, without changing any state."""
+    def stop_rule_ahead(self, request, drafted: int):
+        """The stop rule the next step will apply to a request whose ``drafted`` tokens of this
+        step are all accepted (None: the policy does not stop early). The rule answers as
+        ``should_stop`` will after that outcome is observed, without changing any state."""
         return None
 
-    def pre_draft_length(self, request, k: int, pre) -> int | None:
-        """Overlap: how many tokens of a kept pre-draft (specrt.drafters.PreDraft) the request
-        proposes this step, where it was asked for ``k``: the decision drafting afresh would take
-        (its first tokens are what drafting afresh would propose), or None when that decision
-        cannot be read off the pre-draft (it holds fewer tokens): it is dropped and drafted afresh."""
-        return k if k <= pre.num_tokens else None
+    def replayed_length(self, request, k: int, made) -> int | None:
+        """How many tokens of drafts made ahead of this step (``made``: num_tokens and the values
+        its stop rule saw, confidence and p_accept; specrt.drafters.predraft.PreDraft) the request
+        proposes, where it was asked for ``k``: the decision drafting afresh would take (the first
+        tokens are what drafting afresh would propose), or None when that decision cannot be read
+        off them (too few tokens): they are dropped and drafted afresh."""
+        return k if k <= made.num_tokens else None
 
     def step_done(self, emitted: int, seconds: float) -> None:
         """After each step: the tokens it emitted over all requests and its wall time."""
@@ -121,7 +123,6 @@ class DraftPolicy:
 
 class FixedPolicy(DraftPolicy):
     name = "fixed"
-    k_known_ahead = True
 
 
 class ThresholdPolicy(DraftPolicy):
@@ -138,28 +139,28 @@ class ThresholdPolicy(DraftPolicy):
         rate = recent_acceptance(request, self.spec.acceptance_window, pending=pending)
         return min(tuning.CONF_MAX, max(tuning.CONF_MIN, base * (tuning.CONF_SLOPE - rate)))
 
-    def plan(self, requests, k_caps, costs=None, catchup=None):
+    def plan(self, requests, max_ks, costs=None, catchup=None):
         for r in requests:
             st = r.policy_state
             st.p_all, st.threshold = 1.0, self.threshold(r)
-        return super().plan(requests, k_caps, costs, catchup)
+        return super().plan(requests, max_ks, costs, catchup)
 
     def _threshold_of(self, request) -> float:
         t = request.policy_state.threshold
         return self.threshold(request) if t is None else t
 
-    def pre_draft_length(self, request, k: int, pre) -> int | None:
-        """Replays ``should_stop`` on the values the pre-draft recorded at each depth (no state changes)."""
-        conf = pre.confidence or []
-        if pre.confidence is not None:
+    def replayed_length(self, request, k: int, made) -> int | None:
+        """Replays ``should_stop`` on the values recorded at each depth (no state changes)."""
+        conf = made.confidence or []
+        if made.confidence is not None:
             threshold, p_all = self._threshold_of(request), [1.0]
             for j in range(min(k, len(conf))):
-                pa = pre.p_accept[j] if pre.p_accept else None
+                pa = made.p_accept[j] if made.p_accept else None
                 if self._decide(j, conf[j], pa, threshold, p_all):
                     return j
-        return k if k <= pre.num_tokens and (pre.confidence is None or len(conf) >= k) else None
+        return k if k <= made.num_tokens and (made.confidence is None or len(conf) >= k) else None
 
-    def pre_stop(self, request, drafted: int):
+    def stop_rule_ahead(self, request, drafted: int):
         threshold = self.threshold(request, pending=drafted)
         p_all = [1.0]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from specrt.config import SpecConfig
+from specrt.config import SpecConfig, clamp_k
 from specrt.policy import planner
 from specrt.policy.acceptance import AcceptanceEvidence, Corrections
 from specrt.policy.base import DraftPolicy
@@ -51,10 +51,10 @@ class OffVerdict:
     prices: Prices          # the prices of the plan that decided it
     margin: float           # the predicted gain drafting needed
     vetoed: bool            # held only by the measured corrections (re-checked every recheck_every)
-    depths: int             # max_draft_length + 1: every cap fits
+    depths: int             # max_draft_length + 1: every max_k fits
     rows: dict[tuple, SurplusRow] = field(default_factory=dict)   # request key -> its verdict
     age: int = 1            # steps decided by it
-    same: tuple | None = None     # (batch identity, caps) of the last step it decided
+    same: tuple | None = None     # (batch identity, max_ks) of the last step it decided
     plain: float = 0.0      # that step's plain throughput ...
     t_plain: float = 0.0    # ... and plain step time
 
@@ -101,17 +101,17 @@ class BudgetPolicy(DraftPolicy):
             self._since_tracked_draft = 0
         self.corrections.record(tracked.kind, tracked.tokens, tracked.seconds, tracked.num_requests, emitted, seconds)
 
-    def price_request(self, r, cap: int, lag: int, prior: float, per_token: float, d_tok: float) -> Row:
+    def price_request(self, r, max_k: int, lag: int, prior: float, per_token: float, d_tok: float) -> Row:
         """The planner's row for one request (its acceptance from the evidence)."""
         rate = self.evidence.rate(r, prior, self.spec.acceptance_window)
         left = float(max(r.params.max_tokens - r.num_generated, 1))
-        return planner.price_row(rate, self.evidence.depth_profile(), cap, self.evidence.fill_of(r), left, lag,
+        return planner.price_row(rate, self.evidence.depth_profile(), max_k, self.evidence.fill_of(r), left, lag,
                                  per_token, d_tok, self.tune.max_position_rate)
 
-    def next_k(self, request, k: int, drafted: int, cap: int) -> int:
-        """Overlap: the K planned this step (plans rarely change from one step to the next; a
-        smaller K next step uses the pre-draft's first tokens, a larger one drops it)."""
-        return min(k, cap)
+    def k_ahead(self, request, k: int, drafted: int, max_k: int) -> int:
+        """The K planned this step (plans rarely change from one step to the next; a smaller K
+        next step uses the first of the tokens drafted ahead, a larger one drops them)."""
+        return clamp_k(k, max_k)
 
     # ------------------------------------------------------------------ planning
     def dormant(self, num_requests: int) -> bool:
@@ -119,7 +119,7 @@ class BudgetPolicy(DraftPolicy):
         that held at s checked steps in a row lets the next min(s // 2, dormant_max) steps skip
         planning. A batch down by a quarter (a verify is cheaper per token) wakes it at once; a
         newcomer that would pay waits for the next check. Slept steps still count for
-        exploration, the overdue look and the verdict's age. Only for drafters whose caps do not
+        exploration, the overdue look and the verdict's age. Only for drafters whose max_ks do not
         come and go (not n-gram: a match appearing is the news)."""
         if self._sleep <= 0:
             return False
@@ -132,7 +132,7 @@ class BudgetPolicy(DraftPolicy):
         self.tracked = None
         return True
 
-    def plan(self, requests, k_caps, costs=None, catchup=None):
+    def plan(self, requests, max_ks, costs=None, catchup=None):
         slept, self._slept, self._sleep = self._slept, 0, 0
         self._since_tracked_draft += 1 + slept
         if slept:
@@ -146,7 +146,7 @@ class BudgetPolicy(DraftPolicy):
         for r in requests:
             if r.policy_state.seen is None:
                 r.policy_state.seen = self._clock
-        out = self._plan_step(requests, k_caps, costs or CostModel(), catchup)
+        out = self._plan_step(requests, max_ks, costs or CostModel(), catchup)
         if self._off is not None:        # the verdict was off (a look may have been added)
             self._off_streak += 1
             # a look's outcome is news: the step after it plans
@@ -161,7 +161,7 @@ class BudgetPolicy(DraftPolicy):
         return (off is not None and off.costs is costs and off.fit_version == costs.fit_version
                 and off.age < self.tune.replan_every and not self._recheck_due())
 
-    def _plan_step(self, requests, k_caps, costs: CostModel, catchup):
+    def _plan_step(self, requests, max_ks, costs: CostModel, catchup):
         costs.refit()
         n = len(requests)
         if n == 0:
@@ -169,14 +169,14 @@ class BudgetPolicy(DraftPolicy):
         off = self._off
         if not self._plain_left and costs.steps_since_plain == 0 and self._verdict_valid(costs):
             prev = off.same
-            if prev is not None and self._identity(requests) == prev[0] and all(c <= p for c, p in zip(k_caps, prev[1])):
-                # the very batch of the last off step, no cap grew (caps shrink as requests near
+            if prev is not None and self._identity(requests) == prev[0] and all(c <= p for c, p in zip(max_ks, prev[1])):
+                # the very batch of the last off step, no max_k grew (max_ks shrink as requests near
                 # their end, which only makes drafting dearer): only contexts grew, a few tokens
                 # each, priced again at the next full plan (replan_every steps at most)
                 off.age += 1
-                return self._off_step(requests, k_caps, catchup or [0] * n, costs, off, off.plain, off.t_plain)
+                return self._off_step(requests, max_ks, catchup or [0] * n, costs, off, off.plain, off.t_plain)
         lag = list(catchup) if catchup is not None else [0] * n
-        caps = [max(min(c, self.spec.max_draft_length), 0) for c in k_caps]
+        max_ks = [clamp_k(self.spec.max_draft_length, m) for m in max_ks]
         if self.spec.min_draft_length == 0:
             # keep the cost of steady plain decoding measured: a run of plain steps, soon at first
             # (after plain_first, 2x, 4x ... steps without a plain sample), then every plain_every
@@ -190,21 +190,21 @@ class BudgetPolicy(DraftPolicy):
                 return [0] * n
         # speculation off stays off while the verdict provably holds (see _still_off)
         if self._verdict_valid(costs):
-            out = self._still_off(requests, caps, lag, costs, self._off)
+            out = self._still_off(requests, max_ks, lag, costs, self._off)
             if out is not None:
                 return out
         self._off = None
-        return self._full_plan(requests, caps, lag, costs)
+        return self._full_plan(requests, max_ks, lag, costs)
 
-    def _full_plan(self, requests, caps, lag, costs: CostModel):
+    def _full_plan(self, requests, max_ks, lag, costs: CostModel):
         n, spec, tune = len(requests), self.spec, self.tune
-        floor = [min(spec.min_draft_length, c) for c in caps]
+        floor = [clamp_k(spec.min_draft_length, m) for m in max_ks]
         prior = self.evidence.prior()
         prices = Prices.of(costs, n, float(sum(r.context_len for r in requests)))
         margin = self._margin(costs, prices, n)
-        rows = [self.price_request(r, caps[b], lag[b], prior, prices.per_token(r.context_len), prices.d_tok)
+        rows = [self.price_request(r, max_ks[b], lag[b], prior, prices.per_token(r.context_len), prices.d_tok)
                 for b, r in enumerate(requests)]
-        alloc = planner.search(rows, caps, floor, prices, tune.search_rounds)
+        alloc = planner.search(rows, max_ks, floor, prices, tune.search_rounds)
         best, best_ks, plain = alloc.rate, alloc.ks, alloc.plain
         # vetoed: the costs predict the margin's gain, only what past drafted steps delivered says
         # no. Such a verdict would outlast its cause (a vetoed policy takes no drafted steps to
@@ -230,9 +230,9 @@ class BudgetPolicy(DraftPolicy):
             lam = self._threshold(plain, n, margin)
             depths = spec.max_draft_length + 1
             self._off = OffVerdict(costs, costs.fit_version, prices, margin, vetoed, depths,
-                                   {self._key(r): planner.surplus_row(row, cap, lam, depths)
-                                    for r, row, cap in zip(requests, rows, caps)})
-        self._explore(requests, out, caps, lag, best, prices, costs.has_draft_fit)
+                                   {self._key(r): planner.surplus_row(row, max_k, lam, depths)
+                                    for r, row, max_k in zip(requests, rows, max_ks)})
+        self._explore(requests, out, max_ks, lag, best, prices, costs.has_draft_fit)
         if any(out) != drafts:
             self.tracked = None              # an exploration step: not what was predicted
         return out
@@ -272,7 +272,7 @@ class BudgetPolicy(DraftPolicy):
                 tuple(r.evidence_class for r in requests))
 
     # ------------------------------------------------------------------ speculation off
-    def _still_off(self, requests, caps, lag, costs: CostModel, off: OffVerdict):
+    def _still_off(self, requests, max_ks, lag, costs: CostModel, off: OffVerdict):
         """K=0 for everyone without a full plan, if the last off verdict provably still holds for
         this batch; None if a full plan is needed.
 
@@ -281,7 +281,7 @@ class BudgetPolicy(DraftPolicy):
         lam * cost_b,k)+ and fixed(d) the step's drafting costs (d draft forwards, the drafted-step
         jump). A request seen before keeps its recorded surplus, raised by (lam_then - lam) times
         its cost where lam fell since (contexts grow, requests leave): an upper bound, since its
-        gains cannot have grown while it did not draft. Only a newcomer, or a request whose cap
+        gains cannot have grown while it did not draft. Only a newcomer, or a request whose max_k
         grew (an n-gram match appeared), is priced afresh, by the full plan's formulas."""
         n, D, p = len(requests), off.depths, off.prices
         t_ar = costs.verify_time(n, float(sum(r.context_len for r in requests)), drafted=False, requests=n)
@@ -293,13 +293,13 @@ class BudgetPolicy(DraftPolicy):
         for b, r in enumerate(requests):
             key = self._key(r)
             row = off.rows.get(key)
-            if row is None or caps[b] > row.cap:
-                if caps[b] == 0:
+            if row is None or max_ks[b] > row.max_k:
+                if max_ks[b] == 0:
                     row = planner.zero_row(lam, D)
                 else:
                     prior = self.evidence.prior() if prior is None else prior
-                    row = planner.surplus_row(self.price_request(r, caps[b], lag[b], prior, p.per_token(r.context_len),
-                                                                 p.d_tok), caps[b], lam, D)
+                    row = planner.surplus_row(self.price_request(r, max_ks[b], lag[b], prior, p.per_token(r.context_len),
+                                                                 p.d_tok), max_ks[b], lam, D)
             rows[key] = row
             drop = max(row.lam - lam, 0.0)
             for d in range(D):
@@ -309,14 +309,14 @@ class BudgetPolicy(DraftPolicy):
                 return None
         off.rows = rows
         off.age += 1
-        off.same = (self._identity(requests), tuple(caps))
+        off.same = (self._identity(requests), tuple(max_ks))
         off.plain, off.t_plain = plain, t_ar
-        return self._off_step(requests, caps, lag, costs, off, plain, t_ar)
+        return self._off_step(requests, max_ks, lag, costs, off, plain, t_ar)
 
-    def _off_step(self, requests, caps, lag, costs: CostModel, off: OffVerdict, plain: float, t_ar: float):
+    def _off_step(self, requests, max_ks, lag, costs: CostModel, off: OffVerdict, plain: float, t_ar: float):
         n = len(requests)
         out = [0] * n
-        self._explore(requests, out, caps, lag, plain, off.prices, costs.has_draft_fit)
+        self._explore(requests, out, max_ks, lag, plain, off.prices, costs.has_draft_fit)
         if any(out):
             # what an explored request shows (its acceptance) is new evidence: price it afresh
             off.same = None
@@ -327,7 +327,7 @@ class BudgetPolicy(DraftPolicy):
         self.tracked = Tracked(0, n, t_ar, n) if tracked else None
         return out
 
-    def _explore(self, requests, ks, caps, lag, lam: float, prices: Prices, fitted: bool) -> None:
+    def _explore(self, requests, ks, max_ks, lag, lam: float, prices: Prices, fitted: bool) -> None:
         """Look at idle requests: one draft token for a request kept at K=0 for explore_every
         steps, if an optimistic acceptance would pay for that token (and its catch-up)."""
         tune = self.tune
@@ -348,7 +348,7 @@ class BudgetPolicy(DraftPolicy):
         for b, r in enumerate(requests):
             idle = r.policy_state.steps_without_draft
             left = max(r.params.max_tokens - r.num_generated, 1)
-            if ks[b] == 0 and caps[b] > 0 and idle >= tune.explore_every * (backoff if lag[b] > 0 else 1):
+            if ks[b] == 0 and max_ks[b] > 0 and idle >= tune.explore_every * (backoff if lag[b] > 0 else 1):
                 prior = self.evidence.prior() if prior is None else prior
                 # optimism shrinks as pooled evidence grows when a look costs a catch-up
                 opt = tune.optimism

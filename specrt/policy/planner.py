@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specrt.config import clamp_k
+
 
 @dataclass(frozen=True)
 class Prices:
@@ -42,20 +44,20 @@ class Prices:
 
 @dataclass
 class Row:
-    """One request's prices for k = 0..cap draft tokens."""
+    """One request's prices for k = 0..max_k draft tokens."""
 
-    gains: list[float]   # [cap+1] expected accepted tokens (gains[0] = 0)
-    costs: list[float]   # [cap+1] seconds they add to the step (costs[0] = 0)
+    gains: list[float]   # [max_k+1] expected accepted tokens (gains[0] = 0)
+    costs: list[float]   # [max_k+1] seconds they add to the step (costs[0] = 0)
 
 
 @dataclass
 class SurplusRow:
     """One request's verdict at a threshold throughput ``lam`` (see BudgetPolicy's off verdict)."""
 
-    cap: int
+    max_k: int
     lam: float              # the threshold it was priced at
-    surplus: list[float]    # [D] max(0, best gain - lam * cost over k <= min(d, cap)) at each depth d
-    reach: list[float]      # [D] the largest cost over k <= min(d, cap)
+    surplus: list[float]    # [D] max(0, best gain - lam * cost over k <= min(d, max_k)) at each depth d
+    reach: list[float]      # [D] the largest cost over k <= min(d, max_k)
 
 
 @dataclass
@@ -67,13 +69,13 @@ class Allocation:
     plain: float            # the same for the floor allocation (plain decoding when the floor is 0)
 
 
-def price_row(rate: float, profile, cap: int, fill: float, left: float, lag: int, per_token: float,
+def price_row(rate: float, profile, max_k: int, fill: float, left: float, lag: int, per_token: float,
               d_tok: float, max_rate: float) -> Row:
     """Row of a request with acceptance ``rate`` shaped per position by ``profile`` [K+1]
     (capped at ``max_rate``), ``left`` tokens to go and a draft KV ``lag`` tokens behind."""
     gains, costs = [0.0], [0.0]
     total, power = 0.0, 1.0
-    for k in range(1, cap + 1):
+    for k in range(1, max_k + 1):
         power *= min(rate * float(profile[k]), max_rate)
         total += power
         gain = total * fill
@@ -91,22 +93,22 @@ def step_prediction(rows: list[Row], ks: list[int], prices: Prices) -> tuple[flo
     return float(tokens), float(max(seconds, 1e-12))
 
 
-def search(rows: list[Row], caps: list[int], floor: list[int], prices: Prices, rounds: int) -> Allocation:
+def search(rows: list[Row], max_ks: list[int], floor: list[int], prices: Prices, rounds: int) -> Allocation:
     """The allocation of draft tokens with the best predicted throughput (tokens / step time),
-    each request within [floor, cap]. Depth by depth (the step pays per draft forward, so the
+    each request within [floor, max_k]. Depth by depth (the step pays per draft forward, so the
     deepest request sets a fixed cost): Dinkelbach rounds from the best throughput so far, each
     the best k per request at throughput lam (max gain - lam * cost), until it stops improving."""
     best_ks = list(floor)
     tokens, seconds = step_prediction(rows, best_ks, prices)
     best = plain = tokens / seconds
-    for depth in range(max(max(floor), 1), max(caps) + 1):
+    for depth in range(max(max(floor), 1), max(max_ks) + 1):
         lam = best
         for _ in range(rounds):
             choice = []
-            for row, lo, cap in zip(rows, floor, caps):
+            for row, lo, max_k in zip(rows, floor, max_ks):
                 g, c = row.gains, row.costs
                 kb, vb = lo, g[lo] - lam * c[lo]
-                for k in range(lo + 1, min(cap, depth) + 1):
+                for k in range(lo + 1, clamp_k(depth, max_k) + 1):
                     v = g[k] - lam * c[k]
                     if v > vb:
                         kb, vb = k, v
@@ -121,18 +123,18 @@ def search(rows: list[Row], caps: list[int], floor: list[int], prices: Prices, r
     return Allocation(best_ks, best, plain)
 
 
-def surplus_row(row: Row, cap: int, lam: float, depths: int) -> SurplusRow:
+def surplus_row(row: Row, max_k: int, lam: float, depths: int) -> SurplusRow:
     surplus, reach = [0.0], [0.0]
     best = worst = 0.0
     for k in range(1, depths):
-        if k <= cap:
+        if k <= max_k:
             best = max(best, row.gains[k] - lam * row.costs[k])
             worst = max(worst, row.costs[k])
         surplus.append(best)
         reach.append(worst)
-    return SurplusRow(cap, lam, surplus, reach)
+    return SurplusRow(max_k, lam, surplus, reach)
 
 
 def zero_row(lam: float, depths: int) -> SurplusRow:
-    """The verdict of a request that cannot draft (cap 0)."""
+    """The verdict of a request that cannot draft (max_k 0)."""
     return SurplusRow(0, lam, [0.0] * depths, [0.0] * depths)

@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP server: `specrt serve`.
 
-    specrt serve --target-model builtin --draft-model builtin --speculative-decoding --draft-length 5
+    specrt serve --target-model builtin --draft-model builtin --speculative-decoding --max-draft-length 5
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as
 server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus text 0.0.4),

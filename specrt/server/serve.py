@@ -1,6 +1,6 @@
 """`specrt serve`: command line -> engine -> app -> uvicorn.
 
-    specrt serve --target-model builtin --draft-model builtin --speculative-decoding --draft-length 5
+    specrt serve --target-model builtin --draft-model builtin --speculative-decoding --max-draft-length 5
 
 On SIGTERM (or Ctrl-C) the app drains (see app.py): it stops admitting (503), gives the
 requests in flight --drain-timeout seconds to finish, fails the rest with a final error
@@ -26,8 +26,8 @@ import time
 
 from specrt.server.connections import CONNECTION_HEADROOM, MIN_PER_CLIENT
 from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, \
-    DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HARD_EXIT_GRACE_S, parse_memory, \
-    read_prompts_file
+    DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, HARD_EXIT_GRACE_S, DeprecatedAlias, \
+    parse_memory, read_prompts_file
 
 logger = logging.getLogger("specrt.server")
 INSTALL_HINT = 'pip install "specrt[serve]"'
@@ -67,10 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 1,000,000, ~12 MB)")
     p.add_argument("--speculative-decoding", action="store_true",
                    help="decode speculatively with the draft (without it: plain autoregressive decoding)")
-    p.add_argument("--draft-length", type=int, default=None, help="draft tokens per step (K); the max for "
-                   "adaptive policies unless --max-draft-length is given (default: the policy's, see SpecConfig)")
-    p.add_argument("--min-draft-length", type=int, default=None)
-    p.add_argument("--max-draft-length", type=int, default=None)
+    p.add_argument("--max-draft-length", type=int, default=None,
+                   help="the most draft tokens per request and step (SpecConfig.max_draft_length): K under "
+                        "--draft-policy fixed, the cap of the adaptive policies, a token tree's depth (default: the "
+                        "policy's, 4 fixed / budget, 8 confidence / head; 16 for suffix drafting)")
+    p.add_argument("--draft-length", type=int, dest="max_draft_length", action=DeprecatedAlias,
+                   new="--max-draft-length", help="deprecated spelling of --max-draft-length")
+    p.add_argument("--min-draft-length", type=int, default=None,
+                   help="the fewest draft tokens an adaptive policy drafts per step (SpecConfig.min_draft_length)")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="stop threshold of the confidence / head policies (default 0.6)")
     p.add_argument("--acceptance-window", type=int, default=None,
@@ -185,8 +189,7 @@ def engine_kwargs(args) -> dict:
     elif args.draft_model is not None:
         logger.warning("--draft-model is ignored without --speculative-decoding (serving plain decoding)")
     draft = _suffix_flags(draft, args.suffix_scoped, args.suffix_history_tokens)
-    max_k = args.max_draft_length if args.max_draft_length is not None else args.draft_length
-    spec = SpecConfig(min_draft_length=args.min_draft_length, max_draft_length=max_k,
+    spec = SpecConfig(min_draft_length=args.min_draft_length, max_draft_length=args.max_draft_length,
                       confidence_threshold=args.confidence_threshold, acceptance_window=args.acceptance_window,
                       adaptive_enabled=args.adaptive, policy=args.draft_policy, acceptance=args.acceptance,
                       overlap=args.overlap, max_batch_size=args.max_batch_size, max_model_len=args.max_model_len,

@@ -1,6 +1,8 @@
-"""Server settings (one typed record) and their defaults."""
+"""Server settings (one typed record) and their defaults; a flag kept under an old name."""
 from __future__ import annotations
 
+import argparse
+import warnings
 from dataclasses import dataclass
 
 from specrt.config import parse_memory_size
@@ -18,6 +20,22 @@ MAX_TAGS = 64                     # distinct Prometheus tag values; later new ta
 # Prompts are bounded in characters before they are tokenized: max_model_len tokens of real
 # text average ~4 characters each; 32 per token leaves room for long tokens and whitespace.
 PROMPT_CHARS_PER_TOKEN = 32
+
+
+class DeprecatedAlias(argparse.Action):
+    """A flag's old spelling (``--draft-length`` for ``--max-draft-length``): stores into the new
+    flag's ``dest`` with a FutureWarning; the new flag, when given too, wins in either order."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        used = getattr(namespace, self.dest) is None        # the new flag has not set it (None: its default)
+        warnings.warn(f"{option_string} is deprecated: use {self.new}"
+                      + ("" if used else f" ({self.new} was given too and is used)"), FutureWarning, stacklevel=2)
+        if used:
+            setattr(namespace, self.dest, values)
 
 
 @dataclass

@@ -391,10 +391,10 @@ def source_texts(name: str, split: str, max_chars: int = 4000, seed: int = 0) ->
     return out
 
 
-def _allocate(n: int, weights: dict[str, float], cap: dict[str, int]) -> dict[str, int]:
+def _allocate(n: int, weights: dict[str, float], capacity: dict[str, int]) -> dict[str, int]:
     """Largest-remainder shares of ``n`` by weight, a source's share capped by its capacity."""
     quota, left = dict.fromkeys(weights, 0), n
-    live = [k for k in weights if cap[k] > 0]
+    live = [k for k in weights if capacity[k] > 0]
     while left and live:
         tot = sum(weights[k] for k in live)
         share = {k: left * weights[k] / tot for k in live}
@@ -402,10 +402,10 @@ def _allocate(n: int, weights: dict[str, float], cap: dict[str, int]) -> dict[st
         for k in sorted(live, key=lambda k: add[k] - share[k])[:left - sum(add.values())]:
             add[k] += 1
         for k in live:
-            take = min(add[k], cap[k] - quota[k])
+            take = min(add[k], capacity[k] - quota[k])
             quota[k] += take
             left -= take
-        live = [k for k in live if quota[k] < cap[k]]
+        live = [k for k in live if quota[k] < capacity[k]]
     if left:
         raise ValueError(f"n={n} exceeds the {n - left} prompts the weighted sources can give")
     return quota
