@@ -12,8 +12,10 @@ together (specrt.policy.cost_model, ``plain_step_now``), and it counts the whole
 (specrt.observability.metrics, "estimated speedup").
 
 These tests compare the estimate with an alternating A/B on the built-in pair within a factor
-of 1.5 (robust on a noisy shared 2-core machine, yet far inside the 3-5x error it had). The goal
-of 15% is measured by the benchmark (``python -m bench --sections speedup_estimate``).
+of 2: the median of the rounds' ratios, so one round slowed by another process on a shared 2-core
+machine does not decide it, yet well inside the ~SLOW-fold error a calibration on a slower machine
+gave. How close the estimate is (the goal is 15%) is measured by the benchmark
+(``python -m bench --sections speedup_estimate``), not here.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ import specrt
 from specrt import SamplingParams, SpecConfig
 from specrt.policy import CostModel
 
-TOLERANCE = 1.5          # estimate / measured within [1 / TOLERANCE, TOLERANCE]
-SLOW = 3.0               # the calibration's machine state: everything this many times slower
+TOLERANCE = 2.0          # estimate / measured within [1 / TOLERANCE, TOLERANCE]
+SLOW = 4.0               # the calibration's machine state: everything this many times slower
 TEXTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n",
          "import os\nimport sys\n\nclass Config(object):\n    def __init__(self, path):\n",
          "for i in range(10):\n    print(i, i * i)\n"]
@@ -50,20 +52,22 @@ def _slow_clock(monkeypatch) -> None:
     monkeypatch.setattr(time, "perf_counter", lambda: base + SLOW * (real() - base))
 
 
-def _measured_and_estimated(spec: specrt.LLM, plain: specrt.LLM, rounds: int = 4) -> tuple[float, float, dict]:
-    """Alternating passes over TEXTS at batch 1: (plain wall / speculative wall, the speculative
-    engine's estimate over its passes, its statistics)."""
+def _measured_and_estimated(spec: specrt.LLM, plain: specrt.LLM, rounds: int = 5) -> tuple[float, float, dict]:
+    """Alternating passes over TEXTS at batch 1: (the median over rounds of plain wall / speculative
+    wall, the speculative engine's estimate over its passes, its statistics)."""
     spec.engine.reset_metrics()
-    wall = {"spec": 0.0, "plain": 0.0}
+    ratios = []
     for i in range(rounds):
+        wall = {}
         for name in (("spec", "plain") if i % 2 == 0 else ("plain", "spec")):
             llm = spec if name == "spec" else plain
             t0 = time.perf_counter()
             for text in TEXTS:
                 llm.generate([text], GREEDY)
-            wall[name] += time.perf_counter() - t0
+            wall[name] = time.perf_counter() - t0
+        ratios.append(wall["plain"] / wall["spec"])
     total = spec.stats()["total"]
-    return wall["plain"] / wall["spec"], total["estimated_speedup"], total
+    return float(np.median(ratios)), total["estimated_speedup"], total
 
 
 def _check(measured: float, estimate: float | None, total: dict) -> None:
