@@ -273,3 +273,25 @@ def test_depth_rates_shorten_drafts_the_target_stops_following():
     assert cut.tokens == [10, 11] and min(cut.probs) > 0.95          # depth 3 was never accepted
     assert rates.factors(4)[3] < 0.01
     assert len(_shape(chain, 5, DepthRates(), 0.0).tokens) == 5          # the depth cap
+
+
+@pytest.mark.parametrize("kind", ["model", "feature", "self:1"])
+def test_the_lookup_in_front_learns_what_was_accepted(pair, tmp_path, kind):
+    """Every model-backed drafter tells the suffix lookup in front what its drafts got accepted
+    (per-source drafted/accepted counts and the depth rates): the feature and self:N drafters
+    once skipped it, so their lookup never counted a draft."""
+    from test_feature_drafter import save_feature_draft
+
+    if kind == "model":
+        target, draft = str(pair[0]), f"{pair[1]}+suffix"
+    elif kind == "feature":
+        target, draft = "builtin", f"{save_feature_draft(tmp_path / 'feature')}+suffix"
+    else:
+        target, draft = "builtin", "self:1+suffix"
+    eng = specrt.LLM(target=target, draft=draft, spec=SpecConfig(max_draft_length=4, tree="fixed"), seed=0)
+    for p in PROMPTS[:3]:
+        eng.generate([p], GREEDY)
+    req = eng.stats()["draft_sources"]["request"]
+    assert req["matches"] > 0 and req["drafted"] > 0 and 0 < req["accepted"] <= req["drafted"]
+    rates = eng.engine.drafter.lookup.suffix.indexes.rates["request"]
+    assert rates != type(rates)()        # observed at least one verify

@@ -126,7 +126,7 @@ class FeatureDrafter(ReducedVocab, ModelDrafterBase, ReadsTarget):
             span = FeatureSpan(vb.query_position[b], hidden[start:start + n])
             r.drafter_state = _features(r).add(span)
 
-    def on_commit(self, request, row: int, proposal: DraftProposal) -> int | None:
+    def kept(self, request, row: int, proposal: DraftProposal) -> int | None:
         """The draft KV holds true-feature keys below ``held``; the next catch-up reads the features
         of positions held-1 .. target_cached-1 (the verified ones): keep only those."""
         held = min(proposal.draft_cached[row], request.target_cached)

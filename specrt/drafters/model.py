@@ -122,9 +122,15 @@ class ModelDrafterBase(Drafter, History):
         return self.lookup.source_stats() if self.lookup is not None else None
 
     def on_commit(self, request, row: int, proposal: DraftProposal) -> int | None:
+        """The lookup in front learns what its drafts got accepted (every subclass: not overridden),
+        then ``kept`` says how much of the draft KV stays valid."""
         if self.lookup is not None:
             self.lookup.committed(request, row, proposal)
-        # only what the target accepted (a pre-draft's positions: specrt.drafters.predraft, settle)
+        return self.kept(request, row, proposal)
+
+    def kept(self, request, row: int, proposal: DraftProposal) -> int | None:
+        """Draft KV positions still valid after the verify: only what the target accepted (a
+        pre-draft's positions: specrt.drafters.predraft, settle)."""
         return min(proposal.draft_cached[row], request.target_cached)
 
     # -- vocabulary (a draft whose vocabulary differs maps here)

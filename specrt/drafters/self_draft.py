@@ -40,5 +40,5 @@ class SelfDrafter(ModelDrafter):
     def catchup(self, batch) -> list[int]:
         return [0] * len(batch)
 
-    def on_commit(self, request, row: int, proposal) -> int | None:
+    def kept(self, request, row: int, proposal) -> int | None:
         return None                    # no KV of its own (a kept pre-draft's tokens: settle)
