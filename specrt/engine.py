@@ -269,7 +269,7 @@ class LLMEngine:
         saved = self.scheduler.save(batch)
         try:
             ks, limits = self._plan(batch, k)     # K per request (a tree step: its depth)
-            plan = self._tree_plan(batch, ks, k is not None)  # a tree engine's decision for this step
+            plan = self._tree_plan(batch, ks, k is not None, limits)  # a tree engine's decision for this step
             if plan is not None and not plan.draft:
                 ks = [0] * len(batch)
             nodes = self._tree_nodes(batch, ks, k is not None, limits)   # a tree step's node budgets; None: chains
@@ -426,14 +426,16 @@ class LLMEngine:
         return not any(r.params.has_logit_controls or r.params.logprobs is not None
                        or r.params.prompt_logprobs is not None for r in batch)
 
-    def _tree_plan(self, batch: list[Request], ks: list[int], calibration: bool) -> TreeStep | None:
+    def _tree_plan(self, batch: list[Request], ks: list[int], calibration: bool, limits) -> TreeStep | None:
         """The tree planner's decision (draft or not, the row costs) for a step that may grow trees
         (None otherwise: a chain step keeps the policy's K, whatever the planner has seen)."""
         if self.tree_planner is None or calibration or not any(ks) or not self._trees_allowed(batch):
             return None
         self.costs.refit()
         n, context = len(batch), sum(r.context_len for r in batch)
-        return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth, self.spec.max_tree_nodes)
+        ahead = max(r.params.max_tokens - r.num_generated for r in batch) * self.costs.verify_time(n, context, requests=n)
+        return self.tree_planner.plan(self.costs, n, n, context, self.tree.max_depth, self.spec.max_tree_nodes,
+                                      self.costs.catchup_time(limits.catchup if limits else None, batch), ahead)
 
     def _tree_nodes(self, batch: list[Request], ks: list[int], calibration: bool, limits) -> list[int] | None:
         """A tree step's node budget per request (0: no drafts), or None: this step drafts chains

@@ -383,3 +383,50 @@ def test_a_noisy_paying_trial_is_not_given_up():
         assert p.switch(1).trial is not None
         _observe(p, r)
     assert p.switch(1).trial is None and p.on
+
+
+def test_a_trial_waits_until_its_catch_up_is_affordable():
+    """A trial's first step pays the draft's catch-up over everything decoded while off (at 32 in
+    flight ~1,400-2,900 tokens, ~0.25-0.7 s, several plain steps): it begins only once that costs at
+    most TRIAL_SHARE of the plain time waited at the load since the last trial (or of the plain
+    time the batch still has ahead); a cheap catch-up starts on time (before, a trial every 48-96
+    steps cost a batch of 32 ~5% against plain decoding)."""
+    from specrt.policy.tree import OFF_STEPS, TRIAL_SHARE, TreePlanner
+
+    def plain_step(p, s=0.1):
+        p.observe(0.0, 0, 1, step_s=s, verify_s=s, rows=1, plain_s=None, batch_size=1, drafted=False,
+                  fed_context=False)
+
+    def run(catchup_s: float, ahead_s: float = 0.0) -> int:
+        """Plain steps (0.1 s each) until the trial's first drafted step."""
+        p = TreePlanner()
+        _observe(p, 0.5, 80)                 # off
+        n = 0
+        while not p.plan(None, 1, 1, 10, 4, 8, catchup_s=catchup_s, ahead_s=ahead_s).draft:
+            plain_step(p)
+            n += 1
+            assert n < 10_000
+        return n
+
+    assert run(0.0) == OFF_STEPS - 1                     # no catch-up: as before
+    cheap = 0.99 * TRIAL_SHARE * 0.1 * (OFF_STEPS - 1)   # just affordable at the usual time
+    assert run(cheap) == OFF_STEPS - 1
+    dear = 0.7                                           # needs 0.7 / TRIAL_SHARE = 35 s of plain steps
+    assert run(dear) == pytest.approx(dear / TRIAL_SHARE / 0.1, abs=1)
+    assert run(dear, ahead_s=dear / TRIAL_SHARE) == OFF_STEPS - 1   # a long way ahead pays for it
+
+
+def test_the_first_drafted_step_at_a_load_is_gated_like_a_trial():
+    """A load that never drafted starts 'on'; its first drafted step pays the catch-up over every
+    prompt in the batch: it must cost at most FIRST_SHARE of the plain time ahead (or TRIAL_SHARE of
+    the time waited); later ones (on, measured) are not gated."""
+    from specrt.policy.tree import TreePlanner
+
+    p = TreePlanner()
+    assert not p.plan(None, 32, 32, 3200, 4, 8, catchup_s=0.7, ahead_s=7.5).draft     # 32 prompts, 64 tokens ahead
+    assert p.plan(None, 32, 32, 3200, 4, 8, catchup_s=0.7, ahead_s=40.0).draft       # 340 tokens ahead
+    q = TreePlanner()
+    assert not q.plan(None, 1, 1, 1000, 4, 8, catchup_s=0.23, ahead_s=0.64).draft    # a long prompt, 64 tokens ahead
+    assert q.plan(None, 1, 1, 100, 4, 8, catchup_s=0.023, ahead_s=0.96).draft        # one prompt, 96 tokens ahead
+    _observe(q, 1.4, 3)
+    assert q.plan(None, 1, 1, 100, 4, 8, catchup_s=0.5, ahead_s=0.1).draft           # on and measured: no gate

@@ -296,6 +296,16 @@ class CostModel:
             return tuning.UNMEASURED_DRAFT_SHARE * self.verify_time(batch, context, requests=batch), 0.0, 0.0
         return float(c[0]), float(c[1]), float(c[2])
 
+    def catchup_time(self, lag: list[int] | None, batch) -> float:
+        """The predicted time of a draft catch-up over ``lag`` [B] tokens per request (its KV lag),
+        each token attending about its request's context less half the lag; 0 while unmeasured."""
+        if not lag or not any(lag) or not self.has_draft_fit:
+            return 0.0
+        fed = sum(lag)
+        attended = sum(g * max(r.context_len - g / 2, 0) for g, r in zip(lag, batch))
+        _, per_token, per_attended = self.draft_coefs(fed, attended)
+        return max(per_token * fed + per_attended * attended, 0.0)
+
     def draft_time(self, depth: int, tokens_fed: int, attended: int) -> float:
         a, b, c = self.draft_coefs(tokens_fed, attended)
         return a * depth + b * tokens_fed + c * attended

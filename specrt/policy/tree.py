@@ -25,6 +25,11 @@ clearly slower than plain ones, by their mean and its standard error, ends after
 of them: a batch's steps are steady, one request's swing with each step's acceptance). Each
 failed trial doubles the off period (up to ``MAX_OFF_STEPS``); one that pays resets it: where
 drafting never pays (a large batch on one core) the trials' cost falls to a few percent.
+A trial's first step pays the draft's catch-up over every token its requests decoded (and, for
+new requests, their prompts) while it was off: at a large batch that is several plain steps. A
+trial, and the first drafted step at a load, therefore begins only when the catch-up's predicted
+time is at most ``TRIAL_SHARE`` of the plain time spent at that load since the last trial, or of
+the plain time the batch's remaining tokens will take: it never costs more than that share.
 Every ``PROBE_EVERY`` steps ``PROBE_STEPS`` plain steps keep the autoregressive time measured on
 this machine as it is now.
 A step whose first node cannot repay its verify row and a draft level (their costs against the
@@ -44,6 +49,8 @@ MAX_OFF_STEPS = 768       # ... doubling after each failed trial up to this
 TRIAL_STEPS = 16          # tree steps a trial averages ...
 TRIAL_CHECK = 5           # ... unless the steps after its first (the catch-up) are this many
 TRIAL_GIVE_UP = 1.0       # ... and average, plus two standard errors, below this: it ends there as failed
+TRIAL_SHARE = 0.02        # a trial's catch-up costs at most this share of the plain time waited or ahead
+FIRST_SHARE = 0.05        # the first drafted step's at a load: at most this share of the plain time ahead
 OFF_BELOW = 0.97          # running speedup under which drafting switches off ...
 ON_ABOVE = 1.02           # ... and the trial average (plus a standard error) over which it switches back on
 AVERAGE = 0.1             # weight of the newest step in the calibration and verify-curve averages
@@ -126,6 +133,8 @@ class LoadSwitch:
     off_steps: int = OFF_STEPS        # the off period (doubles while trials fail)
     trial: list[float] | None = None  # a trial's step ratios so far (None: no trial)
     blocked: int = 0                  # steps in a row the first-node rule kept plain
+    waited_s: float = 0.0             # plain step time at this load since the last trial began
+    drafted: int = 0                  # drafted steps observed at this load
 
 
 class TreePlanner:
@@ -156,12 +165,17 @@ class TreePlanner:
         """The running speedup of tree steps at the last planned step's load."""
         return self.switch().speedup
 
-    def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int, max_nodes: int) -> TreeStep:
-        """``tokens`` / ``context``: what a plain step over the batch would feed and attend."""
+    def plan(self, costs, batch_size: int, tokens: int, context: int, depth: int, max_nodes: int,
+             catchup_s: float = 0.0, ahead_s: float = 0.0) -> TreeStep:
+        """``tokens`` / ``context``: what a plain step over the batch would feed and attend;
+        ``catchup_s``: the predicted time of the draft's catch-up a drafted step would pay first;
+        ``ahead_s``: the predicted plain time of the batch's remaining tokens."""
         self._load = load_bucket(batch_size)
         sw = self.switch()
         rows, level = self._costs(costs, batch_size, tokens, context, depth, max_nodes)
-        draft = self._draft_now(costs, sw)
+        may_try = catchup_s <= TRIAL_SHARE * max(sw.waited_s, ahead_s)
+        may_start = may_try or catchup_s <= FIRST_SHARE * ahead_s
+        draft = self._draft_now(costs, sw, may_try)
         if draft and self.adaptive and costs is not None and batch_size not in self.curve.seconds:
             draft = False  # a load never run plain: measure its plain step first (the baseline drafting must beat)
         if draft and self.adaptive and sw.trial is None and rows and rows[0] + level >= self.gain:
@@ -169,15 +183,17 @@ class TreePlanner:
             # device): no draft forward at all. The gain is measured on drafted steps only, so after
             # an off period of such steps a trial drafts again (else one bad stretch would stop drafting for good)
             sw.blocked += 1
-            if sw.blocked < sw.off_steps:
+            if sw.blocked < sw.off_steps or not may_try:
                 draft = False
             else:
-                sw.blocked, sw.trial = 0, []
+                sw.blocked, sw.trial, sw.waited_s = 0, [], 0.0
+        elif draft and self.adaptive and sw.drafted == 0 and sw.trial is None and not may_start:
+            draft = False  # the first drafted step at a load is a trial too: its catch-up must be affordable
         elif draft:
             sw.blocked = 0
         return TreeStep(draft, rows, level, self.calibration)
 
-    def _draft_now(self, costs, sw: LoadSwitch) -> bool:
+    def _draft_now(self, costs, sw: LoadSwitch, may_try: bool = True) -> bool:
         if not self.adaptive:
             return True
         self._since_probe += 1
@@ -190,8 +206,8 @@ class TreePlanner:
         if sw.on or sw.trial is not None:
             return True
         sw.off_left -= 1
-        if sw.off_left <= 0:
-            sw.trial = []
+        if sw.off_left <= 0 and may_try:
+            sw.trial, sw.waited_s = [], 0.0
         return sw.trial is not None
 
     def _costs(self, costs, batch_size: int, tokens: int, context: int, depth: int,
@@ -233,7 +249,9 @@ class TreePlanner:
         if not fed_context:
             self.curve.add(rows, verify_s)
         if not drafted:
+            self.switch(batch_size).waited_s += step_s
             return
+        self.switch(batch_size).drafted += 1
         if predicted > 0:
             ratio = min(accepted / predicted, 4.0)
             self.calibration += AVERAGE * (ratio - self.calibration)
