@@ -98,7 +98,7 @@ def draft_step_timer(drafter, target, ctx: int, kmax: int, target_cache: torch.T
         return forward_timer(model, ctx, 1, num_layers=num_layers, cache=cache), 1
     from specrt.config import SamplingParams
     from specrt.drafters import DraftAsk
-    from specrt.scheduler import Request
+    from specrt.step.scheduler import Request
 
     context = [int(x) for x in torch.randint(3, 50, (ctx,))]
     request = Request("cost-probe", context, SamplingParams(temperature=0.0, max_tokens=1), seed=0)

@@ -339,7 +339,7 @@ class SpecConfig:
     the drafter grows trees (a draft model, a feature draft, self:N), the policy is "fixed" and
     overlap is off, else "chain". Steps with logit controls or log-probabilities draft chains.
 
-    prefill_chunk: the most prompt tokens a step feeds (specrt.prefill): a longer prompt is fed in
+    prefill_chunk: the most prompt tokens a step feeds (specrt.step.prefill): a longer prompt is fed in
     chunks of this size over several steps while the other requests keep decoding; 0 feeds every
     prompt whole in its first step (a long one then stalls every other stream until it is done).
 
@@ -349,7 +349,7 @@ class SpecConfig:
     Ignored for drafters that are lookups themselves.
 
     threads (CPU): the kernels' thread count; None takes torch's count when the process set one,
-    else the physical cores this process may run on (specrt.threads.available_cores).
+    else the physical cores this process may run on (specrt.step.threads.available_cores).
     adaptive_threads: time steps at half the count now and then and run at the faster (a core
     taken by another process stalls every parallel loop at the full count); False pins it.
     """

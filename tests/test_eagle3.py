@@ -302,7 +302,7 @@ def test_prompt_logprobs_with_an_eagle3_draft_are_chunked_and_equal_the_plain_on
     one block of them, so prompt log-probabilities still come PROMPT_LOGPROB_ROWS rows at a time
     (before: the whole [T, V] logits from the forward) and equal plain decoding's."""
     import specrt
-    import specrt.verify as verify
+    import specrt.step.verify as verify
     t32 = target.float()
     try:
         d = init_draft(t32, "feature", [5], vocab, feature_layers=LAYERS)

@@ -153,7 +153,7 @@ def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
     its cap (0 without a match, and 0 on a step that feeds the prompt: its rows run as without a
     drafter), and drafts are prefixes of those proposals: same tokens as AR."""
     from specrt.drafters import NgramProposer
-    from specrt.verify import feeds_context
+    from specrt.step.verify import feeds_context
 
     tdir, _ = pair
     llm_ = specrt.LLM(target=str(tdir), draft="ngram", spec=SpecConfig(policy="budget", max_draft_length=4), seed=0)
@@ -632,7 +632,7 @@ def test_head_policy_without_a_head_names_the_command_that_trains_one(pair, tmp_
 
 def test_what_preemption_reproduces(pair, ar_greedy):
     """What holds when the KV cache is short (drafts dropped to make room, requests preempted and
-    recomputed; see specrt.scheduler): greedy and coupled outputs are token-identical to running
+    recomputed; see specrt.step.scheduler): greedy and coupled outputs are token-identical to running
     alone; seeded rejection-sampled outputs may differ from running alone (their tokens depend on
     the draft lengths, which the shortage changes) but stay exact in distribution."""
     from scipy.stats import chi2_contingency

@@ -18,7 +18,6 @@ LAYERS = [
     "specrt.ops",           # the kernels' Python front, and beside them the pure-torch oracle (ops.reference)
     "specrt.structured",
     "specrt.config",
-    "specrt.threads",
     "specrt.observability",  # metrics and the healthy ranges they are judged against
     "specrt.controls",
     "specrt.attention",
@@ -28,17 +27,7 @@ LAYERS = [
     "specrt.sampling",
     "specrt.drafters",
     "specrt.policy",
-    "specrt.scheduler",
-    "specrt.verify",
-    "specrt.prefill",
-    "specrt.intake",
-    "specrt.overlap",
-    "specrt.commit",
-    "specrt.accounting",
-    "specrt.calibration",
-    "specrt.engine",
-    "specrt.distributed",
-    "specrt.warmup",
+    "specrt.step",          # one speculative step: its parts and the engine that wires them (STEP below)
     "specrt.llm",
     "specrt",
     "specrt.server",
@@ -47,6 +36,12 @@ LAYERS = [
     "specrt.cli",
     "bench",
 ]
+
+# Inside a package listed here its modules keep an order of their own, bottom first ("" is the package's __init__).
+INNER = {
+    "specrt.step": ["", "threads", "calibration", "warmup", "scheduler", "verify", "prefill", "intake", "overlap",
+                    "commit", "accounting", "engine", "distributed"],
+}
 
 # Upward imports allowed, each lazy (inside a function) and named in docs/architecture.md's layout (section 1).
 ALLOWED_UPWARD = {
@@ -144,6 +139,23 @@ def test_imports_point_down_the_layers():
     assert not upward, "imports pointing up the layer list:\n" + "\n".join(upward)
 
 
+def inner_rank(package: str, module: str) -> int:
+    """Where a module of an INNER package sits in that package's own order."""
+    name = module.removeprefix(package).removeprefix(".").split(".")[0]
+    assert name in INNER[package], f"{module} is not in INNER[{package!r}]: add it there and to docs/architecture.md"
+    return INNER[package].index(name)
+
+
+def test_imports_inside_a_package_point_down_its_order():
+    for package, order in INNER.items():
+        assert set(order) == {m.removeprefix(package).removeprefix(".").split(".")[0]
+                              for m in MODULES if unit(m) == package}, f"INNER[{package!r}] lists other modules"
+    upward = [f"{MODULES[src].relative_to(ROOT)}:{line} imports {dst}"
+              for src, dst, line, _ in edges()
+              if unit(src) == unit(dst) in INNER and inner_rank(unit(dst), dst) > inner_rank(unit(src), src)]
+    assert not upward, "imports pointing up a package's own order:\n" + "\n".join(upward)
+
+
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}     # 1: on the current path, 2: done
     path: list[str] = []
@@ -192,7 +204,7 @@ def test_cycle_finder_finds_loops():
 def test_the_checker_sees_lazy_relative_and_dynamic_imports():
     """The parser must catch the imports it is meant to police (else every test above passes vacuously)."""
     found = {(s, d): lazy for s, d, _, lazy in edges()}
-    assert found[("specrt.engine", "specrt.scheduler")] is False
+    assert found[("specrt.step.engine", "specrt.step.scheduler")] is False
     assert found[("specrt.cli", "bench.cli")] is True              # importlib.import_module, in a function
     assert ("specrt.ops.library", "specrt._C") in found
     assert any(s == "specrt.cli" and d == "specrt.server" for s, d in found)     # __import__("specrt.server")

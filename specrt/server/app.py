@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specrt.warmup import warm_up as engine_warm_up
+from specrt.step.warmup import warm_up as engine_warm_up
 from specrt.server.errors import APIError, ClientGone
 from specrt.server.middleware import GateAndCount
 from specrt.server.routes import router

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from specrt.config import SpecConfig
-from specrt.engine import LLMEngine
+from specrt.step.engine import LLMEngine
 from specrt.loading import resolve_model_path
 from specrt.attention import AttentionMetadata
 from specrt.kv_cache import allocate_kv_cache

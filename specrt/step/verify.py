@@ -74,7 +74,7 @@ class VerifyResult:
     output_token_ids: list[list[int]]  # [B][K+1] emitted tokens: the first num_accepted + 1 are valid
     num_accepted: list[int]            # [B]
     guesses: list[int]                 # [B] each request's token guessed before the verification (the
-                                       # bonus a pre-draft assumed, specrt.overlap), -1: none
+                                       # bonus a pre-draft assumed, specrt.step.overlap), -1: none
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # request b -> rows 0..n_b
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)   # b -> per prompt token
     accepted_nodes: list[list[int]] | None = None   # [B][num_accepted] a tree step's path (node indices)
@@ -142,7 +142,7 @@ def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -
     """Lay out every request's pending tokens + drafts; reserve nothing (the slots exist). A request
     scoring its prompt feeds all of it: positions whose KV is cached already (a shared prefix) are
     recomputed for their logits without being written again (slot -1). ``prefill``: prefill-only
-    requests (specrt.prefill) and where their chunk ends, fed after the batch's rows, unscored
+    requests (specrt.step.prefill) and where their chunk ends, fed after the batch's rows, unscored
     (in query_start / query_position they follow the batch's requests)."""
     K = proposal.draft_token_ids.shape[1]
     n = proposal.num_draft_tokens
