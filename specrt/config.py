@@ -112,7 +112,7 @@ class SamplingParams:
     the largest. seed None draws a seed once at admission; a fixed seed makes the output
     reproducible (token-identical to autoregressive sampling under ``acceptance="coupled"``).
 
-    Logit controls (specrt.controls; every position a step verifies or drafts sees the tokens
+    Logit controls (specrt.sampling.controls; every position a step verifies or drafts sees the tokens
     before it, drafts included, exactly as an autoregressive step would):
     repetition_penalty (HF / vLLM, 1 = off) divides the positive logits and multiplies the
     negative ones of every token in the prompt or the output so far; presence_penalty and
@@ -123,7 +123,7 @@ class SamplingParams:
     sequence is never emitted, a longer one never completed after its other tokens).
     logprobs: None, or return the log-probability of every generated token and the ``logprobs``
     most likely alternatives (0..20); prompt_logprobs: the same for the prompt's tokens (the
-    model's own log-softmax there). See specrt.controls for the exact definitions.
+    model's own log-softmax there). See specrt.sampling.controls for the exact definitions.
 
     structured: the output must match a JSON schema (a dict or JSON text), "json_object", a
     choice (a list of strings), or a specrt.structured.Structured(kind, spec) (kinds

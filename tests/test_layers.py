@@ -19,15 +19,14 @@ LAYERS = [
     "specrt.structured",
     "specrt.config",
     "specrt.observability",  # metrics and the healthy ranges they are judged against
-    "specrt.controls",
+    "specrt.sampling",      # the sampling transform of draft and target rows, its controls, log-probabilities
     "specrt.attention",
     "specrt.models",
     "specrt.kv_cache",
     "specrt.loading",
-    "specrt.sampling",
     "specrt.drafters",
     "specrt.policy",
-    "specrt.step",          # one speculative step: its parts and the engine that wires them (STEP below)
+    "specrt.step",          # one speculative step: its parts and the engine that wires them (INNER below)
     "specrt.llm",
     "specrt",
     "specrt.server",
@@ -39,6 +38,7 @@ LAYERS = [
 
 # Inside a package listed here its modules keep an order of their own, bottom first ("" is the package's __init__).
 INNER = {
+    "specrt.sampling": ["", "controls", "transform", "logprobs"],
     "specrt.step": ["", "threads", "calibration", "warmup", "scheduler", "verify", "prefill", "intake", "overlap",
                     "commit", "accounting", "engine", "distributed"],
 }

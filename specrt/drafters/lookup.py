@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specrt.controls import control_state
+from specrt.sampling.controls import control_state
 from specrt.drafters.ngram import NgramProposer, NgramState
 from specrt.drafters.suffix import SuffixLookup, SuffixSettings
 

@@ -27,7 +27,7 @@ from specrt.drafters.lookup import PromptLookup, fill_lookup_rows, forced_drafts
 from specrt.drafters.predraft import ModelPreDrafting
 from specrt.drafters.size import module_bytes
 from specrt.drafters.tree import draft_tree
-from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
+from specrt.sampling.transform import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
 
 class ModelDrafterBase(Drafter, History):

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from specrt.drafters.base import DraftProposal, DrafterState
-from specrt.sampling import batch_controls
+from specrt.sampling.transform import batch_controls
 
 # length(request, k, pre_draft) -> how many of a kept pre-draft's tokens to propose (None: draft afresh)
 PreLength = Callable[[object, int, "PreDraft"], "int | None"]

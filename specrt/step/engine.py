@@ -42,11 +42,12 @@ from specrt.observability.metrics import EngineMetrics
 from specrt.step.intake import RequestIntake
 from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
+from specrt.sampling.logprobs import PromptRows
 from specrt.step.overlap import Overlap, overlap_status
 from specrt.step.prefill import split_prefill
 from specrt.step.scheduler import Request, RequestOutput, RequestStatus, Scheduler
 from specrt.step.threads import ThreadGovernor, default_threads
-from specrt.step.verify import PromptRows, accept, build_verify_batch, feeds_context, path_rows, to_host
+from specrt.step.verify import accept, build_verify_batch, feeds_context, path_rows, to_host
 
 logger = logging.getLogger("specrt.engine")    # the step's one logger (commit, overlap and the drafters log here too)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
