@@ -30,7 +30,7 @@ def target():
 
 def _forward(model, seqs, q, hidden_layers, stack=True, seed=1):
     """Prefill ``seqs``, then a verify-shaped step of q tokens each; returns both steps' outputs."""
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
     g = torch.Generator().manual_seed(seed)
     bs, lens = 16, [len(s) for s in seqs]
     tables, nxt = [], 0

@@ -20,10 +20,7 @@ LAYERS = [
     "specrt.config",
     "specrt.observability",  # metrics and the healthy ranges they are judged against
     "specrt.sampling",      # the sampling transform of draft and target rows, its controls, log-probabilities
-    "specrt.attention",
     "specrt.models",
-    "specrt.kv_cache",
-    "specrt.loading",
     "specrt.drafters",
     "specrt.policy",
     "specrt.step",          # one speculative step: its parts and the engine that wires them (INNER below)

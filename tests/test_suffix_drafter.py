@@ -233,7 +233,7 @@ def test_long_verify_chains_stay_on_the_kernel(pair, monkeypatch):
     paged-attention kernel, as decoding its tokens would, not with a prefill's SDPA: greedy
     output stays token-identical in bf16 too."""
     from specrt.step import verify as verify_mod
-    from specrt.attention import AttentionMetadata
+    from specrt.models.attention import AttentionMetadata
     from specrt.models.attention_path import kernel_batch
 
     for verify in (None, [True]):  # on the CPU every chunk takes the kernel (elsewhere only a verify)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from specrt import ops
-from specrt.attention import AttentionMetadata
+from specrt.models.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.drafters.base import (DraftAsk, DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, History,
                                   StopRule)

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
-from specrt.attention import copy_slots
+from specrt.models.attention import copy_slots
 from specrt.drafters import Drafter, DraftProposal
 from specrt.drafters.tree import node_depths
-from specrt.kv_cache import PagedKVCache
+from specrt.models.kv_cache import PagedKVCache
 from specrt.observability.metrics import StepSample
 from specrt.step.scheduler import Request
 from specrt.step.verify import VerifyResult, commit_logprobs

@@ -32,9 +32,9 @@ from specrt.drafters import (DraftAsk, Drafter, DraftProposal, DraftSettings, Hi
 from specrt.drafters.spec import parse_draft
 from specrt.drafters.tree import TreeShape
 from specrt.policy.tree import TreePlanner, TreeStep
-from specrt.kv_cache import PagedKVCache, kv_cache_blocks
-from specrt.loading import ModelLoader, load_target, use_int8_activations
-from specrt.attention import KVWindow
+from specrt.models.kv_cache import PagedKVCache, kv_cache_blocks
+from specrt.models.sources import ModelLoader, load_target, use_int8_activations
+from specrt.models.attention import KVWindow
 from specrt.step.calibration import calibrate
 from specrt.step.commit import CommitContext, commit_step
 from specrt.observability.health import HealthRanges
@@ -60,7 +60,7 @@ class LLMEngine:
     ``target_quantize`` / ``draft_quantize`` (None, "int8", "q8_0", "q4_0", "q4_1"): load that model with
     weight-only quantized layers that stay quantized; ``draft_quantize="auto"`` (the default): Q8_0 with
     int8 activations for a draft model on a CPU with AVX-512-VNNI, else None
-    (specrt.loading.resolve_draft_quantize); ``draft_dtype``: the draft model's activation
+    (specrt.models.sources.resolve_draft_quantize); ``draft_dtype``: the draft model's activation
     dtype (default: the engine's ``dtype``). Greedy output stays token-identical to autoregressive
     decoding of the same target (a quantized target is a different model: compare against itself).
     ``int8_activations`` (CPU, opt-in): the quantized target's layers (and a quantized draft model's)

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from specrt import ops
-from specrt.attention import AttentionMetadata
+from specrt.models.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.drafters.base import DraftProposal
 from specrt.drafters.tree import ancestor_mask, node_depths
