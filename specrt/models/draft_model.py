@@ -58,8 +58,8 @@ from torch import nn
 
 from specrt.models.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
-from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specrt.models.linear import prepare_linear
+from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specrt.models.rope import RMSNorm, RotaryEmbedding, rms_norm, rope_operands
 
 ARCHITECTURE = "SpecrtDraftModel"

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from specrt.models.attention import copy_slots
 from specrt.drafters import Drafter, DraftProposal
 from specrt.drafters.tree import node_depths
+from specrt.models.attention import copy_slots
 from specrt.models.kv_cache import PagedKVCache
 from specrt.observability.metrics import StepSample
 from specrt.step.scheduler import Request

@@ -26,23 +26,23 @@ import torch
 
 from specrt import ops
 from specrt.config import SamplingParams, SpecConfig, clamp_k
-from specrt.step.accounting import record_costs, record_samples
 from specrt.drafters import (DraftAsk, Drafter, DraftProposal, DraftSettings, History, ReadsTarget, check_draft_size,
                              make_drafter, no_drafts)
 from specrt.drafters.spec import parse_draft
 from specrt.drafters.tree import TreeShape
-from specrt.policy.tree import TreePlanner, TreeStep
+from specrt.models import load_generation_config, load_tokenizer
+from specrt.models.attention import KVWindow
 from specrt.models.kv_cache import PagedKVCache, kv_cache_blocks
 from specrt.models.sources import ModelLoader, load_target, use_int8_activations
-from specrt.models.attention import KVWindow
-from specrt.step.calibration import calibrate
-from specrt.step.commit import CommitContext, commit_step
 from specrt.observability.health import HealthRanges
 from specrt.observability.metrics import EngineMetrics
-from specrt.step.intake import RequestIntake
-from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
+from specrt.policy.tree import TreePlanner, TreeStep
 from specrt.sampling.logprobs import PromptRows
+from specrt.step.accounting import record_costs, record_samples
+from specrt.step.calibration import calibrate
+from specrt.step.commit import CommitContext, commit_step
+from specrt.step.intake import RequestIntake
 from specrt.step.overlap import Overlap, overlap_status
 from specrt.step.prefill import split_prefill
 from specrt.step.scheduler import Request, RequestOutput, RequestStatus, Scheduler

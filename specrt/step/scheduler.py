@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Union
 
 from specrt.config import SamplingParams
-from specrt.sampling.controls import ControlState, TokenLogprob
 from specrt.observability.metrics import RequestStats
 from specrt.policy import RequestPolicyState
+from specrt.sampling.controls import ControlState, TokenLogprob
 from specrt.structured import Grammar
 
 if TYPE_CHECKING:   # the drafters' per-request records (annotations only: no import of the drafters at run time)

@@ -15,10 +15,10 @@ from typing import NamedTuple
 import torch
 
 from specrt import ops
-from specrt.models.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.drafters.base import DraftProposal
 from specrt.drafters.tree import ancestor_mask, node_depths
+from specrt.models.attention import AttentionMetadata
 from specrt.sampling.controls import TokenLogprob
 from specrt.sampling.logprobs import PromptRows, output_logprobs, packed, prompt_logprobs, records
 from specrt.sampling.transform import (BatchControls, RowLogprobs, apply_controls, batch_controls, mask_eos, pad_rows,
