@@ -1,7 +1,8 @@
 """The import graph keeps the layer order of docs/architecture.md's layout (section 1): every specrt module's
-imports (parsed with ast, lazy ones inside functions included) point down the list, and no
-modules import each other in a loop. The bench/ package sits above the runtime and uses only
-its public names."""
+imports (parsed with ast, lazy ones inside functions included) point down the list of layers (a
+layer: a folder, or a root module), inside the packages with an order of their own down that
+order too, and no modules import each other in a loop. The bench/ package sits above the runtime
+and uses only its public names."""
 from __future__ import annotations
 
 import ast
