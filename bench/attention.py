@@ -43,7 +43,7 @@ import torch
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.machine import copy_read_rate, read_bandwidth  # noqa: E402
 from specrt import ops  # noqa: E402
-from specrt.attention import AttentionMetadata  # noqa: E402
+from specrt.models.attention import AttentionMetadata  # noqa: E402
 from specrt.models.config import ModelConfig  # noqa: E402
 from specrt.models.llama import LlamaForCausalLM, paged_attention_sdpa  # noqa: E402
 

@@ -58,7 +58,7 @@ class BenchContext:
 
     def _kv_bytes(self, draft, max_batch_size: int, max_model_len: int) -> int:
         from specrt.drafters import parse_draft
-        from specrt.kv_cache import kv_bytes_per_block
+        from specrt.models.kv_cache import kv_bytes_per_block
         from specrt.models import load_config
 
         configs = [self.target_config]

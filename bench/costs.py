@@ -55,10 +55,10 @@ def forward_timer(model, ctx: int, tokens: int, batch: int = 1, num_layers: int 
                   window=None):
     """A closure running one forward of `tokens` new tokens per request after `ctx` cached
     positions, for `batch` requests, over a private scratch KV cache (values do not matter),
-    followed by the sampling transform of its logits. ``window``: a specrt.attention.KVWindow the
+    followed by the sampling transform of its logits. ``window``: a specrt.models.attention.KVWindow the
     new tokens attend through (a draft's long-context view), as the engine builds it."""
     from specrt import ops
-    from specrt.attention import AttentionMetadata
+    from specrt.models.attention import AttentionMetadata
 
     cfg = model.config
     dev = model.device
@@ -98,7 +98,7 @@ def draft_step_timer(drafter, target, ctx: int, kmax: int, target_cache: torch.T
         return forward_timer(model, ctx, 1, num_layers=num_layers, cache=cache), 1
     from specrt.config import SamplingParams
     from specrt.drafters import DraftAsk
-    from specrt.scheduler import Request
+    from specrt.step.scheduler import Request
 
     context = [int(x) for x in torch.randint(3, 50, (ctx,))]
     request = Request("cost-probe", context, SamplingParams(temperature=0.0, max_tokens=1), seed=0)

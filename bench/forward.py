@@ -49,7 +49,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import copy_read_rate, read_bandwidth  # noqa: E402
 from specrt import ops  # noqa: E402
-from specrt.kv_cache import PagedKVCache  # noqa: E402
+from specrt.models.kv_cache import PagedKVCache  # noqa: E402
 from specrt.models.config import ModelConfig  # noqa: E402
 from specrt.models.linear import QuantLinear, quantize  # noqa: E402
 from specrt.models.llama import LlamaForCausalLM  # noqa: E402
@@ -258,7 +258,7 @@ def bench_kernels(modes, threads_list, repeats: int, ms=(1, 2, 5, 8, 16)) -> lis
 def bench_builtin(repeats: int, copy_gbs: float, context: int = 180) -> dict | None:
     """Target / draft 1-token forward (fused path, its Python layer loop, op-by-op path, alternated) and
     c = draft / target."""
-    from specrt.loading import BUILTIN_DIR
+    from specrt.models.sources import BUILTIN_DIR
     from specrt.models import load_model
 
     if not (BUILTIN_DIR / "draft" / "config.json").is_file():

@@ -28,7 +28,7 @@ def _label(w: int, sinks: int) -> str:
 def draft_forward_ms(llm, context: int, windows: tuple, sinks: int, reps: int) -> dict:
     """One draft forward (one new token after ``context`` positions) per KV view, interleaved:
     label -> median ms. The draft model is the drafter's public cost hint (``step_model()``)."""
-    from specrt.attention import KVWindow
+    from specrt.models.attention import KVWindow
 
     model, num_layers = llm.engine.drafter.step_model()
     cache = scratch_cache(model, context, 1)

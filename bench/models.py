@@ -53,7 +53,7 @@ def random_pair(root: Path) -> tuple[Path, Path]:
 
 def resolve_pair(target: str, draft: str, log=print) -> tuple[str, str, str]:
     """(target, draft, note). 'builtin' falls back, with a clear message, to a random pair."""
-    from specrt.loading import BUILTIN_DIR
+    from specrt.models.sources import BUILTIN_DIR
 
     if target == "builtin" and not (BUILTIN_DIR / "target" / "config.json").is_file():
         root = Path(tempfile.mkdtemp(prefix="specrt-bench-"))
@@ -71,7 +71,7 @@ def resolve_pair(target: str, draft: str, log=print) -> tuple[str, str, str]:
 
 def model_dir(path: str, role: str) -> Path:
     """The local folder of a model argument ('builtin' or a path)."""
-    from specrt.loading import resolve_model_path
+    from specrt.models.sources import resolve_model_path
 
     return resolve_model_path(path, role)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specrt.kv_cache import PagedKVCache
+from specrt.models.kv_cache import PagedKVCache
 from specrt.models import ModelConfig, load_model
 from specrt.models.linear import QuantEmbedding, QuantLinear
 from specrt.models.llama import LlamaForCausalLM

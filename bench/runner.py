@@ -82,7 +82,7 @@ def shared_loader(store: dict):
     """A ``model_loader`` hook sharing loaded models (read-only weights) by (path, dtype, device):
     every mode of a comparison then runs literally the same target, and on a CPU no mode's
     weights are colder in the caches than another's because they are a different copy."""
-    from specrt.loading import default_loader
+    from specrt.models.sources import default_loader
 
     def load(path, role, dtype, device):
         key = (str(Path(path).resolve()), str(dtype), str(device))

@@ -16,8 +16,8 @@ _LAZY = {
     "LLM": "specrt.llm",
     "SpecConfig": "specrt.config",
     "SamplingParams": "specrt.config",
-    "RequestOutput": "specrt.scheduler",
-    "LLMEngine": "specrt.engine",
+    "RequestOutput": "specrt.step.scheduler",
+    "LLMEngine": "specrt.step.engine",
 }
 
 

@@ -112,7 +112,7 @@ class SamplingParams:
     the largest. seed None draws a seed once at admission; a fixed seed makes the output
     reproducible (token-identical to autoregressive sampling under ``acceptance="coupled"``).
 
-    Logit controls (specrt.controls; every position a step verifies or drafts sees the tokens
+    Logit controls (specrt.sampling.controls; every position a step verifies or drafts sees the tokens
     before it, drafts included, exactly as an autoregressive step would):
     repetition_penalty (HF / vLLM, 1 = off) divides the positive logits and multiplies the
     negative ones of every token in the prompt or the output so far; presence_penalty and
@@ -123,7 +123,7 @@ class SamplingParams:
     sequence is never emitted, a longer one never completed after its other tokens).
     logprobs: None, or return the log-probability of every generated token and the ``logprobs``
     most likely alternatives (0..20); prompt_logprobs: the same for the prompt's tokens (the
-    model's own log-softmax there). See specrt.controls for the exact definitions.
+    model's own log-softmax there). See specrt.sampling.controls for the exact definitions.
 
     structured: the output must match a JSON schema (a dict or JSON text), "json_object", a
     choice (a list of strings), or a specrt.structured.Structured(kind, spec) (kinds
@@ -339,7 +339,7 @@ class SpecConfig:
     the drafter grows trees (a draft model, a feature draft, self:N), the policy is "fixed" and
     overlap is off, else "chain". Steps with logit controls or log-probabilities draft chains.
 
-    prefill_chunk: the most prompt tokens a step feeds (specrt.prefill): a longer prompt is fed in
+    prefill_chunk: the most prompt tokens a step feeds (specrt.step.prefill): a longer prompt is fed in
     chunks of this size over several steps while the other requests keep decoding; 0 feeds every
     prompt whole in its first step (a long one then stalls every other stream until it is done).
 
@@ -349,7 +349,7 @@ class SpecConfig:
     Ignored for drafters that are lookups themselves.
 
     threads (CPU): the kernels' thread count; None takes torch's count when the process set one,
-    else the physical cores this process may run on (specrt.threads.available_cores).
+    else the physical cores this process may run on (specrt.step.threads.available_cores).
     adaptive_threads: time steps at half the count now and then and run at the faster (a core
     taken by another process stalls every parallel loop at the full count); False pins it.
     """

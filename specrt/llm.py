@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from specrt.config import SamplingParams, SpecConfig
-from specrt.distributed import create_engine
-from specrt.engine import LLMEngine, RequestOutput
-from specrt.warmup import warm_up
+from specrt.step.distributed import create_engine
+from specrt.step.engine import LLMEngine, RequestOutput
+from specrt.step.warmup import warm_up
 
 
 class LLM:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt.attention import AttentionMetadata
-from specrt.kv_cache import PagedKVCache
+from specrt.models.attention import AttentionMetadata
+from specrt.models.kv_cache import PagedKVCache
 
 VOCAB = 160
 

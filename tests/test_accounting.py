@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from specrt.accounting import record_costs
+from specrt.step.accounting import record_costs
 from specrt.drafters import DraftCost, DraftProposal
 from specrt.drafters.ngram import NgramDrafter, NgramProposer
 from specrt.policy import CostModel

@@ -16,7 +16,7 @@ import torch
 
 from specrt import ops
 from specrt.ops import reference
-from specrt.attention import AttentionMetadata
+from specrt.models.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
 from specrt.models.llama import LlamaForCausalLM, paged_attention_sdpa
 

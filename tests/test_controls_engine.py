@@ -171,8 +171,8 @@ def test_rejection_sampling_with_controls_is_distributed_as_autoregressive(pair,
 
 def _forget_drafts_in_verify(monkeypatch) -> None:
     """Break the engine: every verified row sees only the committed history, not the drafts before it."""
-    import specrt.engine as engine_module
-    from specrt import verify
+    import specrt.step.engine as engine_module
+    from specrt.step import verify
 
     build = verify.build_verify_batch
 

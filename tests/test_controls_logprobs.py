@@ -2,7 +2,7 @@
 sampling transform (to 1e-5 in fp32), whatever the drafter, recomputed here independently from
 transformers' forward over the emitted sequence and specrt.ops.reference's transform.
 
-Definition (specrt.controls): the log of the distribution each token was drawn from (controls,
+Definition (specrt.sampling.controls): the log of the distribution each token was drawn from (controls,
 temperature, top-k, min-p, top-p: -inf for removed tokens); for a greedy request the log-softmax
 of the controlled logits at temperature 1. Prompt log-probabilities are the model's own
 log-softmax, also when the prompt's prefix is cached (shared blocks are recomputed, not rewritten).
@@ -43,7 +43,7 @@ llm = LLMCache()
 
 
 def _controlled(x: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams) -> torch.Tensor:
-    """Step 1-2 of the transform (specrt.controls) on one position's logits, from its history."""
+    """Step 1-2 of the transform (specrt.sampling.controls) on one position's logits, from its history."""
     x = x.clone()
     seq = prompt + out
     touched = set(out) | set((p.logit_bias or {})) | (set(prompt) if p.repetition_penalty != 1.0 else set())

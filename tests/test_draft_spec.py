@@ -171,7 +171,7 @@ def test_the_checks_see_what_they_police():
 
 def test_request_slots_have_their_types():
     """Request's per-drafter, lookup and controls records are typed, not ``object``."""
-    from specrt.scheduler import Request
+    from specrt.step.scheduler import Request
 
     for name in ("drafter_state", "lookup_state", "controls_state"):
         hint = str(Request.__dataclass_fields__[name].type)

@@ -30,7 +30,7 @@ def target():
 
 def _forward(model, seqs, q, hidden_layers, stack=True, seed=1):
     """Prefill ``seqs``, then a verify-shaped step of q tokens each; returns both steps' outputs."""
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
     g = torch.Generator().manual_seed(seed)
     bs, lens = 16, [len(s) for s in seqs]
     tables, nxt = [], 0
@@ -302,7 +302,7 @@ def test_prompt_logprobs_with_an_eagle3_draft_are_chunked_and_equal_the_plain_on
     one block of them, so prompt log-probabilities still come PROMPT_LOGPROB_ROWS rows at a time
     (before: the whole [T, V] logits from the forward) and equal plain decoding's."""
     import specrt
-    import specrt.verify as verify
+    import specrt.sampling.logprobs as logprobs
     t32 = target.float()
     try:
         d = init_draft(t32, "feature", [5], vocab, feature_layers=LAYERS)
@@ -311,10 +311,10 @@ def test_prompt_logprobs_with_an_eagle3_draft_are_chunked_and_equal_the_plain_on
         target._prepared = False
     d.save_pretrained(tmp_path / "e3")
     (tmp_path / "e3" / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 0}))
-    monkeypatch.setattr(verify, "PROMPT_LOGPROB_ROWS", 8)
+    monkeypatch.setattr(logprobs, "PROMPT_LOGPROB_ROWS", 8)
     chunks = []
-    real = verify.PromptRows.logits
-    monkeypatch.setattr(verify.PromptRows, "logits", lambda self, a, e: chunks.append(e - a) or real(self, a, e))
+    real = logprobs.PromptRows.logits
+    monkeypatch.setattr(logprobs.PromptRows, "logits", lambda self, a, e: chunks.append(e - a) or real(self, a, e))
     prompt = [5, 17, 300, 41, 9, 9, 1200, 7] * 5
     params = specrt.SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3)
     spec = specrt.SpecConfig(max_model_len=256, max_batch_size=4)

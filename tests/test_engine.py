@@ -119,7 +119,7 @@ def test_requests_sharing_a_lagging_prefix_catch_up_together(pair, ar_greedy):
     assert got == [ar_greedy[0]] * 3 + [ar_greedy[1]]
     assert llm_.stats()["total"]["drafted_tokens"] > 0
     # a slot shared by two rows with DIFFERENT tokens is a real bug and still refused
-    from specrt.attention import AttentionMetadata
+    from specrt.models.attention import AttentionMetadata
 
     meta = AttentionMetadata.build([4, 4], [4, 4], [[3], [3]], 4, token_ids=[1, 2, 3, 4] * 2)
     assert meta.slot_mapping.tolist() == [12, 13, 14, 15, -1, -1, -1, -1]
@@ -153,7 +153,7 @@ def test_ngram_proposals_are_known_when_planning(pair, ar_greedy):
     its cap (0 without a match, and 0 on a step that feeds the prompt: its rows run as without a
     drafter), and drafts are prefixes of those proposals: same tokens as AR."""
     from specrt.drafters import NgramProposer
-    from specrt.verify import feeds_context
+    from specrt.step.verify import feeds_context
 
     tdir, _ = pair
     llm_ = specrt.LLM(target=str(tdir), draft="ngram", spec=SpecConfig(policy="budget", max_draft_length=4), seed=0)
@@ -358,7 +358,7 @@ def test_preemption_resumes_with_same_tokens(pair, ar_sampled):
     tdir, ddir = pair
     # 12 blocks of 4 tokens for 8 requests of up to 38 tokens: preemption is unavoidable
     from specrt.models import load_model
-    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models.kv_cache import kv_bytes_per_block
 
     cfgs = [load_model(tdir).config, load_model(ddir).config]
     budget = 12 * kv_bytes_per_block(cfgs, 4, torch.float32)
@@ -373,7 +373,7 @@ def test_preemption_resumes_with_same_tokens(pair, ar_sampled):
 def test_request_too_big_for_cache_fails_cleanly(pair):
     tdir, _ = pair
     from specrt.models import load_model
-    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models.kv_cache import kv_bytes_per_block
 
     budget = 3 * kv_bytes_per_block([load_model(tdir).config], 4, torch.float32)
     eng = specrt.LLM(target=str(tdir), spec=SpecConfig(block_size=4, kv_cache_budget=budget))
@@ -526,7 +526,7 @@ def test_a_fault_in_one_step_fails_only_what_it_must(pair, ar_greedy, tree):
     e = llm_.engine
     assert not e.has_unfinished() and e.num_free_blocks() == e.kv.num_blocks
 
-    from specrt.loading import default_loader
+    from specrt.models.sources import default_loader
     models = {}
 
     def load(path, role, dtype, device):
@@ -632,12 +632,12 @@ def test_head_policy_without_a_head_names_the_command_that_trains_one(pair, tmp_
 
 def test_what_preemption_reproduces(pair, ar_greedy):
     """What holds when the KV cache is short (drafts dropped to make room, requests preempted and
-    recomputed; see specrt.scheduler): greedy and coupled outputs are token-identical to running
+    recomputed; see specrt.step.scheduler): greedy and coupled outputs are token-identical to running
     alone; seeded rejection-sampled outputs may differ from running alone (their tokens depend on
     the draft lengths, which the shortage changes) but stay exact in distribution."""
     from scipy.stats import chi2_contingency
 
-    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models.kv_cache import kv_bytes_per_block
     from specrt.models import load_model
 
     tdir, ddir = pair

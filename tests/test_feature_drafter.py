@@ -22,7 +22,7 @@ from _engine_utils import tokens  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.attention import AttentionMetadata  # noqa: E402
+from specrt.models.attention import AttentionMetadata  # noqa: E402
 
 CODE = ["def foo(x):\n    return", "import os\nimport sys\n\nclass A:\n    def __init__(self):\n        self.",
         "for i in range(10):\n", "    if not isinstance(value, str):\n        raise TypeError(",
@@ -300,7 +300,7 @@ def test_drafting_resumes_over_a_shared_prefix(fdir, ar):
 def test_preemption_keeps_the_output_and_drafting_resumes(fdir, ar):
     """A KV cache too small for the batch: requests are preempted and recompute their context;
     greedy output stays token-identical and the preempted requests draft again afterwards."""
-    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models.kv_cache import kv_bytes_per_block
     from specrt.models import load_model
     from specrt.models.draft_model import DraftModel
     from specrt.models.registry import resolve_model

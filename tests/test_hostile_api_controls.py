@@ -12,8 +12,8 @@ import torch
 
 import specrt
 from specrt import SamplingParams
-from specrt.controls import control_state
-from specrt.sampling import apply_controls, batch_controls
+from specrt.sampling.controls import control_state
+from specrt.sampling.transform import apply_controls, batch_controls
 
 V = 12   # a small vocabulary: random histories often end with a banned prefix
 

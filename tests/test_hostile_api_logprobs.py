@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specrt
-import specrt.verify
+import specrt.sampling.logprobs
 from specrt import SamplingParams
 
 PROMPT = [5 + (i * 7) % 4000 for i in range(300)]
@@ -38,16 +38,16 @@ def test_prompt_logprobs_never_hold_every_rows_logits(llm, monkeypatch):
         seen["forward"].append(logits.shape[0])
         return logits, hidden
 
-    row_logprobs = specrt.verify.row_logprobs
+    row_logprobs = specrt.sampling.logprobs.row_logprobs
 
     def spy_row_logprobs(logp, tokens, top_n):
         assert logp.shape[1] == V
         seen["row_logprobs"].append(logp.shape[0])
         return row_logprobs(logp, tokens, top_n)
 
-    monkeypatch.setattr(specrt.verify, "PROMPT_LOGPROB_ROWS", CHUNK, raising=False)
+    monkeypatch.setattr(specrt.sampling.logprobs, "PROMPT_LOGPROB_ROWS", CHUNK, raising=False)
     monkeypatch.setattr(target, "forward", spy_forward)
-    monkeypatch.setattr(specrt.verify, "row_logprobs", spy_row_logprobs)
+    monkeypatch.setattr(specrt.sampling.logprobs, "row_logprobs", spy_row_logprobs)
     got = _scored(llm)
     monkeypatch.undo()
     verified_rows = 2 * (llm.engine.spec.max_draft_length + 1)   # a step's verified rows, at most
@@ -66,7 +66,7 @@ def test_prompt_logprobs_never_hold_every_rows_logits(llm, monkeypatch):
 def test_prompt_logprobs_match_a_full_log_softmax(llm):
     """The chunked scores equal the log-softmax of the whole prompt's logits (one plain forward),
     for each row's own N (0 and 3 in one batch)."""
-    from specrt.distributed import prefill_logits
+    from specrt.step.distributed import prefill_logits
 
     outs = llm.generate([PROMPT, PROMPT[:40]], [
         SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3),

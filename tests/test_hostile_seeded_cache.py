@@ -3,7 +3,7 @@ prefix cache held. A 17-token prompt is cold on its first run (the step prefills
 warm on the next (16 tokens cached, only the last one fed): before the fix the warm run drafted on
 its first step, so under rejection sampling its random draws went to other purposes and its
 tokens differed from the cold run's (11 of 20 prompt/seed pairs here). The first step after
-admission now never drafts (specrt.scheduler, LLMEngine._max_k)."""
+admission now never drafts (specrt.step.scheduler, LLMEngine._max_k)."""
 from __future__ import annotations
 
 import pytest

@@ -247,7 +247,7 @@ def test_serve_and_peers_flags():
     assert kw["int8_activations"] is True and kw["target_quantize"] == "q4_1"
     assert "int8_activations" not in engine_kwargs(build_parser().parse_args(["--target-model", "builtin"]))
     assert parse_args(["--target-quantize", "q4_1", "--int8-activations"]).int8_activations
-    from specrt.demo import build_parser as demo_parser
+    from specrt.cli.demo import build_parser as demo_parser
     assert demo_parser().parse_args(["--target-quantize", "q4_1", "--int8-activations"]).int8_activations
     with pytest.raises(SystemExit):
         parse_args(["--int8-activations"])

@@ -17,7 +17,7 @@ from _engine_utils import pair_for_tests  # noqa: E402
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
 from specrt.policy import ConfidencePolicy, HeadPolicy, make_policy, recent_acceptance  # noqa: E402
-from specrt.scheduler import Request  # noqa: E402
+from specrt.step.scheduler import Request  # noqa: E402
 
 
 def test_the_designs_config_dict_runs_the_adaptive_policy_it_describes():

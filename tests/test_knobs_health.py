@@ -149,7 +149,7 @@ def _exported_series(pair) -> set[str]:
     """Every series name /metrics of a server exports (health windows judged)."""
     from fastapi.testclient import TestClient
 
-    from specrt.engine import LLMEngine
+    from specrt.step.engine import LLMEngine
     from specrt.server import create_app
 
     tdir, ddir = pair

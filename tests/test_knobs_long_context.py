@@ -16,7 +16,7 @@ from _engine_utils import make_pair  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig, ops  # noqa: E402
-from specrt.attention import AttentionMetadata, KVWindow  # noqa: E402
+from specrt.models.attention import AttentionMetadata, KVWindow  # noqa: E402
 
 
 def test_view_keeps_sink_blocks_and_the_recent_blocks():
@@ -103,7 +103,7 @@ def test_windowed_draft_keeps_the_output_exact(pair, draft):
         trees = specrt.LLM(target=str(tdir), draft=d, spec=SpecConfig(**{**spec, "tree": "fixed"}), seed=0)
         assert [o.token_ids for o in trees.generate(LONG, greedy)] == [o.token_ids for o in want_g]
         if window:
-            assert llm.engine.drafter.settings.kv_window == specrt.attention.KVWindow(4, 32)
+            assert llm.engine.drafter.settings.kv_window == specrt.models.attention.KVWindow(4, 32)
     # the window bounds what a row attends (the sink block, the recent window, two partial blocks)
     assert attended[32] <= 16 + 32 + 2 * 16 < 150 < attended[0]
 

@@ -19,7 +19,7 @@ import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
 from specrt.drafters.predraft import PreDraft  # noqa: E402
 from specrt.policy import ConfidencePolicy, HeadPolicy  # noqa: E402
-from specrt.scheduler import Request  # noqa: E402
+from specrt.step.scheduler import Request  # noqa: E402
 
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [11, 12, 13], [20] * 10, [30, 31], [40, 41, 42, 43, 44, 45, 46],
            [50] * 3 + [51] * 3, [60, 61, 62, 60, 61, 62, 60], [70]]

@@ -17,8 +17,8 @@ from _engine_utils import make_pair  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.kv_cache import kv_bytes_per_block  # noqa: E402
-from specrt.scheduler import Request, Scheduler  # noqa: E402
+from specrt.models.kv_cache import kv_bytes_per_block  # noqa: E402
+from specrt.step.scheduler import Request, Scheduler  # noqa: E402
 from specrt.server.settings import parse_memory, read_prompts_file  # noqa: E402
 
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from specrt import kv_cache as kvc
-from specrt.attention import AttentionMetadata, copy_blocks, write_kv
-from specrt.kv_cache import (
+from specrt.models import kv_cache as kvc
+from specrt.models.attention import AttentionMetadata, copy_blocks, write_kv
+from specrt.models.kv_cache import (
     KVCacheManager,
     OutOfBlocksError,
     PagedKVCache,

@@ -1,7 +1,8 @@
 """The import graph keeps the layer order of docs/architecture.md's layout (section 1): every specrt module's
-imports (parsed with ast, lazy ones inside functions included) point down the list, and no
-modules import each other in a loop. The bench/ package sits above the runtime and uses only
-its public names."""
+imports (parsed with ast, lazy ones inside functions included) point down the list of layers (a
+layer: a folder, or a root module), inside the packages with an order of their own down that
+order too, and no modules import each other in a loop. The bench/ package sits above the runtime
+and uses only its public names."""
 from __future__ import annotations
 
 import ast
@@ -12,41 +13,34 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom first; a module may import only modules of its own unit or of units listed before it.
-# A unit is a top-level specrt module or subpackage ("specrt" alone: the package's lazy facade).
+# A unit is a subpackage or a root module of specrt; "specrt" alone holds the FACADE's modules.
 LAYERS = [
     "specrt._C",            # the compiled extension (csrc/)
     "specrt.ops",           # the kernels' Python front, and beside them the pure-torch oracle (ops.reference)
-    "specrt.structured",
-    "specrt.config",
-    "specrt.threads",
+    "specrt.structured",    # structured output's records and grammars (SamplingParams validates with them)
+    "specrt.config",        # SpecConfig, SamplingParams
     "specrt.observability",  # metrics and the healthy ranges they are judged against
-    "specrt.controls",
-    "specrt.attention",
-    "specrt.models",
-    "specrt.kv_cache",
-    "specrt.loading",
-    "specrt.sampling",
+    "specrt.sampling",      # the sampling transform of draft and target rows, its controls, log-probabilities
+    "specrt.models",        # the models, their attention metadata and KV cache, where an engine's models come from
     "specrt.drafters",
-    "specrt.policy",
-    "specrt.scheduler",
-    "specrt.verify",
-    "specrt.prefill",
-    "specrt.intake",
-    "specrt.overlap",
-    "specrt.commit",
-    "specrt.accounting",
-    "specrt.calibration",
-    "specrt.engine",
-    "specrt.distributed",
-    "specrt.warmup",
-    "specrt.llm",
-    "specrt",
+    "specrt.policy",        # draft length
+    "specrt.step",          # one speculative step: its parts and the engine that wires them (INNER below)
+    "specrt",               # the public face (FACADE)
     "specrt.server",
     "specrt.training",
-    "specrt.demo",
-    "specrt.cli",
+    "specrt.cli",           # the specrt command and its demo
     "bench",
 ]
+
+# The root modules of the "specrt" layer: the package's lazy names and the LLM class they lead to.
+FACADE = {"specrt", "specrt.llm"}
+
+# Inside a package listed here its modules keep an order of their own, bottom first ("" is the package's __init__).
+INNER = {
+    "specrt.sampling": ["", "controls", "transform", "logprobs"],
+    "specrt.step": ["", "threads", "calibration", "warmup", "scheduler", "verify", "prefill", "intake", "overlap",
+                    "commit", "accounting", "engine", "distributed"],
+}
 
 # Upward imports allowed, each lazy (inside a function) and named in docs/architecture.md's layout (section 1).
 ALLOWED_UPWARD = {
@@ -123,7 +117,8 @@ def edges() -> list[tuple[str, str, int, bool]]:
 def unit(module: str) -> str:
     """The LAYERS entry a module belongs to (its longest listed prefix)."""
     best = max((u for u in LAYERS if module == u or module.startswith(u + ".")), key=len, default=None)
-    assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md's layout"
+    assert best is not None and (best != "specrt" or module in FACADE), \
+        f"{module} is in no layer: add it to LAYERS and docs/architecture.md's layout"
     return best
 
 
@@ -142,6 +137,23 @@ def test_imports_point_down_the_layers():
             upward.append(f"{MODULES[src].relative_to(ROOT)}:{line} imports {dst} ({unit(src)} -> {unit(dst)}"
                           f"{', lazy' if lazy else ''})")
     assert not upward, "imports pointing up the layer list:\n" + "\n".join(upward)
+
+
+def inner_rank(package: str, module: str) -> int:
+    """Where a module of an INNER package sits in that package's own order."""
+    name = module.removeprefix(package).removeprefix(".").split(".")[0]
+    assert name in INNER[package], f"{module} is not in INNER[{package!r}]: add it there and to docs/architecture.md"
+    return INNER[package].index(name)
+
+
+def test_imports_inside_a_package_point_down_its_order():
+    for package, order in INNER.items():
+        assert set(order) == {m.removeprefix(package).removeprefix(".").split(".")[0]
+                              for m in MODULES if unit(m) == package}, f"INNER[{package!r}] lists other modules"
+    upward = [f"{MODULES[src].relative_to(ROOT)}:{line} imports {dst}"
+              for src, dst, line, _ in edges()
+              if unit(src) == unit(dst) in INNER and inner_rank(unit(dst), dst) > inner_rank(unit(src), src)]
+    assert not upward, "imports pointing up a package's own order:\n" + "\n".join(upward)
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -192,7 +204,7 @@ def test_cycle_finder_finds_loops():
 def test_the_checker_sees_lazy_relative_and_dynamic_imports():
     """The parser must catch the imports it is meant to police (else every test above passes vacuously)."""
     found = {(s, d): lazy for s, d, _, lazy in edges()}
-    assert found[("specrt.engine", "specrt.scheduler")] is False
+    assert found[("specrt.step.engine", "specrt.step.scheduler")] is False
     assert found[("specrt.cli", "bench.cli")] is True              # importlib.import_module, in a function
     assert ("specrt.ops.library", "specrt._C") in found
     assert any(s == "specrt.cli" and d == "specrt.server" for s, d in found)     # __import__("specrt.server")
@@ -205,6 +217,9 @@ def test_architecture_layout_names_every_layer():
             continue
         shown = u.replace(".", "/") + ("/" if (ROOT / u.replace(".", "/")).is_dir() else ".py")
         assert shown.removeprefix("specrt/") in layout or shown in layout, f"{shown} missing from docs/architecture.md's layout"
+    named = [m.replace(".", "/") + ".py" for m in FACADE - {"specrt"}] + \
+        [f"{name}.py" for order in INNER.values() for name in order if name]
+    assert not [f for f in named if f not in layout], "missing from docs/architecture.md's layout"
     assert "lazy" in layout and "specrt bench" in layout      # the allowed upward import is documented
 
 

@@ -630,11 +630,12 @@ def test_bf16_speculative_prefill_rows_equal_autoregressive_bit_for_bit():
 def test_draft_quantize_auto_picks_q8_0_with_int8_activations_only_where_vnni_runs(monkeypatch):
     """The default draft_quantize="auto": Q8_0 + int8 activations for a draft model on a CPU whose int8
     kernel has VNNI, full precision elsewhere and for drafters without a model; None and a kind as given."""
-    from specrt import loading, ops
+    from specrt import ops
+    from specrt.models import sources
     from specrt.drafters.spec import parse_draft
 
     def resolve(quantize, draft, device):   # what the engine asks: the draft string parsed once
-        return loading.resolve_draft_quantize(quantize, parse_draft(draft).loads_model, device)
+        return sources.resolve_draft_quantize(quantize, parse_draft(draft).loads_model, device)
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(ops, "linear_dynamic_isa", lambda: "avx512vnni")
@@ -666,7 +667,7 @@ def test_the_default_draft_is_what_auto_resolves_to_and_stays_exact():
     ar = specrt.LLM(target="builtin", draft=None, seed=0)
     assert _greedy(llm, PROMPTS[:3], 24) == _greedy(ar, PROMPTS[:3], 24)
     # a loader that hands out an already quantized model: used as it is, not quantized twice
-    from specrt.loading import default_loader
+    from specrt.models.sources import default_loader
     from specrt.models.quant import quantize_model_
 
     def shared(path, role, dtype, device):

@@ -9,8 +9,8 @@ import torch
 
 from _model_utils import VOCAB, Runner, hf_logits, make_checkpoint  # transformers-based tests skip without it
 
-from specrt.attention import AttentionMetadata
-from specrt.kv_cache import PagedKVCache
+from specrt.models.attention import AttentionMetadata
+from specrt.models.kv_cache import PagedKVCache
 from specrt.models import (
     ModelConfig,
     check_draft_compatible,
@@ -162,7 +162,7 @@ def test_decode_batch_of_many_requests(ckpt):
 
 def test_torch_fallback_kv_ops_match(ckpt, monkeypatch):
     """The pure-torch reference write_kv/copy_blocks (specrt.ops.reference) give the same logits as the kernels."""
-    import specrt.kv_cache as kvc
+    import specrt.models.kv_cache as kvc
     import specrt.models.llama as llama
     from specrt.ops import reference
 

@@ -10,7 +10,7 @@ from specrt.config import SamplingParams, SpecConfig
 from specrt.policy import BudgetPolicy, CostModel
 from specrt.policy.cost_model import nonneg_fit as _nonneg_fit
 from specrt.policy.tuning import BudgetTuning
-from specrt.scheduler import Request
+from specrt.step.scheduler import Request
 
 
 def make_requests(n: int, rate: float = 0.9, prompt: int = 100, max_tokens: int = 256, history: int = 32):

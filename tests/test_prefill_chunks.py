@@ -1,4 +1,4 @@
-"""Chunked prefill (specrt.prefill, SpecConfig.prefill_chunk): a long prompt is fed a chunk per step
+"""Chunked prefill (specrt.step.prefill, SpecConfig.prefill_chunk): a long prompt is fed a chunk per step
 while the other requests keep decoding; chunk boundaries depend only on the request, so speculative
 and plain decoding still emit the same tokens; a feature drafter sees every chunk's features."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from _engine_utils import pair_for_tests, tokens  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.prefill import split_prefill  # noqa: E402
+from specrt.step.prefill import split_prefill  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 LONG = [3 + (i * 7) % 90 for i in range(150)]

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from _engine_utils import _tokenizer
 import specrt
-import specrt.verify
+import specrt.sampling.logprobs
 from specrt import SamplingParams, SpecConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -37,7 +37,7 @@ if not tdir.exists():
     LlamaForCausalLM(cfg).eval().save_pretrained(str(tdir), safe_serialization=True)
     _tokenizer(tdir)
 if len(sys.argv) > 3:
-    specrt.verify.PROMPT_LOGPROB_ROWS = int(sys.argv[3])
+    specrt.sampling.logprobs.PROMPT_LOGPROB_ROWS = int(sys.argv[3])
 llm = specrt.LLM(target=str(tdir), draft=None, spec=SpecConfig(max_batch_size=1), seed=0)
 params = SamplingParams(max_tokens=1, prompt_logprobs=20)
 llm.generate([[5] * 300], params)

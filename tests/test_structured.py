@@ -245,7 +245,7 @@ def test_the_draft_rows_see_the_same_mask(pair, ar_greedy, monkeypatch, overlap)
     """Every row masked for the same request after the same tokens (committed output + drafts) gets
     the same mask, whether a draft step (overlap pre-drafts included) or the verification asked:
     the draft proposes only what the target may accept."""
-    from specrt import sampling
+    from specrt.sampling import transform as sampling
 
     real, seen = sampling._mask_grammars, {}
 
@@ -374,7 +374,7 @@ def test_the_distribution_test_has_power(pair, ar_samples, monkeypatch):
 def test_mixed_batches_and_preemption(pair, ar_greedy):
     """Structured and free requests in one batch (only the structured rows are masked), and a KV
     cache so small that requests are preempted and recomputed: greedy output as autoregressive."""
-    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models.kv_cache import kv_bytes_per_block
     from specrt.models import load_model
 
     prompts, params = _requests(temperature=0.0)

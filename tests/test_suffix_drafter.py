@@ -206,7 +206,7 @@ def test_the_server_scopes_by_the_user_field(pair):
     """``specrt serve --draft-model suffix --suffix-scoped``: the OpenAI "user" names the tenant."""
     from fastapi.testclient import TestClient
 
-    from specrt.engine import LLMEngine
+    from specrt.step.engine import LLMEngine
     from specrt.server import create_app
     from specrt.server.serve import _suffix_flags
 
@@ -232,8 +232,8 @@ def test_long_verify_chains_stay_on_the_kernel(pair, monkeypatch):
     """A verify of more than 16 rows (suffix chains run to 16 drafts and past) attends with the
     paged-attention kernel, as decoding its tokens would, not with a prefill's SDPA: greedy
     output stays token-identical in bf16 too."""
-    from specrt import verify as verify_mod
-    from specrt.attention import AttentionMetadata
+    from specrt.step import verify as verify_mod
+    from specrt.models.attention import AttentionMetadata
     from specrt.models.attention_path import kernel_batch
 
     for verify in (None, [True]):  # on the CPU every chunk takes the kernel (elsewhere only a verify)
@@ -251,7 +251,7 @@ def test_long_verify_chains_stay_on_the_kernel(pair, monkeypatch):
         rows.append((max(vb.attn_metadata.query_lens_host), kernel_batch(vb.attn_metadata) is not None))
         return vb
 
-    monkeypatch.setattr("specrt.engine.build_verify_batch", spy)
+    monkeypatch.setattr("specrt.step.engine.build_verify_batch", spy)
     eng = specrt.LLM(target=str(pair[0]), draft="suffix:max_match=4,match_factor=8",
                      spec=SpecConfig(max_draft_length=24, tree="chain"), seed=0, dtype=torch.bfloat16)
     assert tokens(eng.generate(loop, params)) == want

@@ -1,4 +1,4 @@
-"""CPU threads (specrt.threads, SpecConfig.threads / adaptive_threads):
+"""CPU threads (specrt.step.threads, SpecConfig.threads / adaptive_threads):
 
 - available_cores counts the affinity mask's physical cores; the default count respects a count
   the process set;
@@ -23,7 +23,8 @@ from _engine_utils import make_pair, tokens  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.threads import FIRST_TRIAL_AFTER, MAX_TRIAL_GAP, ThreadGovernor, available_cores, default_threads  # noqa: E402
+from specrt.step.threads import (FIRST_TRIAL_AFTER, MAX_TRIAL_GAP, ThreadGovernor, available_cores,  # noqa: E402
+                                 default_threads)
 
 TOKENS = [1, 3, 1, 2, 1, 1, 4, 1, 2]    # tokens per step, as a speculative engine emits them
 

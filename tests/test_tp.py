@@ -16,8 +16,8 @@ import torch
 
 from _engine_utils import make_pair
 from specrt.config import SamplingParams, SpecConfig
-from specrt.distributed import TPEngine, create_engine, prefill_logits
-from specrt.engine import LLMEngine
+from specrt.step.distributed import TPEngine, create_engine, prefill_logits
+from specrt.step.engine import LLMEngine
 from specrt.models import ModelConfig, load_model
 from specrt.models.tp import check_tp_divisible, shard_config
 

@@ -16,7 +16,7 @@ import torch
 
 from specrt import ops
 from specrt.ops import reference
-from specrt.attention import AttentionMetadata
+from specrt.models.attention import AttentionMetadata
 from specrt.models.attention_path import _plan, paged_attention
 
 TOL = 1e-5
@@ -314,7 +314,7 @@ def test_kernel_path_pads_tree_rows():
 # ----------------------------------------------------------------------------- a real model
 @pytest.fixture(scope="module")
 def target():
-    from specrt.loading import resolve_model_path
+    from specrt.models.sources import resolve_model_path
     from specrt.models import load_model
 
     try:

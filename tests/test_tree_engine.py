@@ -166,7 +166,7 @@ def test_lookup_branches_and_preemption_keep_greedy(pair, ar_greedy):
     """Prompt lookup in front of the draft (its matches drafted as chains inside a tree step), and a
     KV cache so small that tree steps preempt requests: the output is still autoregressive."""
     import specrt
-    from specrt.kv_cache import kv_bytes_per_block
+    from specrt.models.kv_cache import kv_bytes_per_block
     from specrt.models import load_model
 
     tdir, ddir = pair

@@ -19,7 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specrt import attention, ops
+from specrt import ops
+from specrt.models import attention
 from specrt.ops import reference
 
 from _cases import gen, greedy_case, seeds_positions, spec_case, tree_case, tree_greedy_case  # noqa: E402

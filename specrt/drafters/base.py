@@ -28,7 +28,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from specrt.attention import KVWindow
+from specrt.models.attention import KVWindow
 
 # stop_rule(request, depth, draft_prob, p_accept) -> stop drafting this request before token #depth
 StopRule = Callable[[object, int, float, "float | None"], bool]

@@ -30,9 +30,9 @@ from specrt.drafters.reduced import ReducedDrafter
 from specrt.drafters.self_draft import SelfDrafter
 from specrt.drafters.spec import DraftSpec, drafter_builder, register_drafter
 from specrt.drafters.suffix import SuffixDrafter, SuffixSettings
-from specrt.loading import DraftLoader, resolve_model_path
 from specrt.models import check_draft_compatible, load_generation_config
 from specrt.models.draft_model import is_draft_folder, load_draft_for_target
+from specrt.models.sources import DraftLoader, resolve_model_path
 
 
 @dataclass(frozen=True)

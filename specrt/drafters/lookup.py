@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from specrt.controls import control_state
 from specrt.drafters.ngram import NgramProposer, NgramState
 from specrt.drafters.suffix import SuffixLookup, SuffixSettings
+from specrt.sampling.controls import control_state
 
 DEFAULT_MIN_N = 2   # a single-token match is a weak signal; the model drafts those steps
 # the most requests a step may hold for the lookup to draft: past it every verify row costs nearly

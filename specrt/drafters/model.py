@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 
 from specrt import ops
-from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
 from specrt.drafters.base import (DraftAsk, DraftCost, Drafter, DraftLimits, DraftProposal, DraftSettings, History,
                                   StopRule)
@@ -27,7 +26,8 @@ from specrt.drafters.lookup import PromptLookup, fill_lookup_rows, forced_drafts
 from specrt.drafters.predraft import ModelPreDrafting
 from specrt.drafters.size import module_bytes
 from specrt.drafters.tree import draft_tree
-from specrt.sampling import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
+from specrt.models.attention import AttentionMetadata
+from specrt.sampling.transform import apply_controls, batch_controls, mask_eos, param_rows, probs_from_logits
 
 
 class ModelDrafterBase(Drafter, History):

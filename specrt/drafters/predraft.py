@@ -2,7 +2,7 @@
 capability (``PreDrafting``) of the drafters that can (a draft model, a reduced-vocabulary draft,
 self:N; not a feature draft, whose next catch-up needs this round's verified features, nor the
 lookups, whose proposals cost microseconds). The engine checks it once, when it is built
-(specrt.overlap plans and runs it); every other module sees a drafter without it.
+(specrt.step.overlap plans and runs it); every other module sees a drafter without it.
 
 A pre-draft assumes every draft of this round is accepted and the bonus token equals the draft's
 own guess; it is kept (``settle``) only if that holds, and then proposed by the very next step
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from specrt.drafters.base import DraftProposal, DrafterState
-from specrt.sampling import batch_controls
+from specrt.sampling.transform import batch_controls
 
 # length(request, k, pre_draft) -> how many of a kept pre-draft's tokens to propose (None: draft afresh)
 PreLength = Callable[[object, int, "PreDraft"], "int | None"]
@@ -46,7 +46,7 @@ class PreDraft(DrafterState):
 
 class PreDrafting(ABC):
     """Capability: drafts the next round while this one verifies. Per step the engine (through
-    specrt.overlap.Overlap) calls ``fence`` before its first KV write, ``reserve_pre_draft`` before
+    specrt.step.overlap.Overlap) calls ``fence`` before its first KV write, ``reserve_pre_draft`` before
     the verification is enqueued, ``mark_verify`` right before it, ``pre_draft`` right after the
     verify forward was launched, and ``settle`` per request at the commit."""
 

@@ -1,4 +1,6 @@
-"""Llama-family models (Llama, Qwen2, Mistral) from local Hugging Face folders and GGUF files."""
+"""Llama-family models (Llama, Qwen2, Mistral) from local Hugging Face folders and GGUF files; the
+attention metadata and KV writes their layers issue (attention), the paged KV cache (kv_cache), and
+where an engine's models come from (sources: names, folders, dtype, quantization, the loader hook)."""
 from specrt.models.config import ModelConfig, check_prompt_length
 from specrt.models.gguf import GGUFModel, QuantBlocks, convert_gguf, is_gguf, open_gguf
 from specrt.models.llama import LlamaForCausalLM

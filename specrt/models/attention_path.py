@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specrt import ops
-from specrt.attention import AttentionMetadata
+from specrt.models.attention import AttentionMetadata
 
 _LONG_QUERY = 16  # longer chunks may run alone rather than pad the batch (see _Plan.sdpa)
 _KERNEL_MAX_QUERY = 16  # longer chunks (prefill after a cached prefix) attend with SDPA, a GEMM-shaped problem

@@ -56,10 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specrt.attention import AttentionMetadata
+from specrt.models.attention import AttentionMetadata
 from specrt.models.config import ModelConfig
-from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specrt.models.linear import prepare_linear
+from specrt.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from specrt.models.rope import RMSNorm, RotaryEmbedding, rms_norm, rope_operands
 
 ARCHITECTURE = "SpecrtDraftModel"

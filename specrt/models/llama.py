@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specrt import ops
-from specrt.attention import AttentionMetadata, write_kv
+from specrt.models.attention import AttentionMetadata, write_kv
 from specrt.models.attention_path import kernel_batch, paged_attention, paged_attention_sdpa  # noqa: F401
 from specrt.models.config import ModelConfig
 from specrt.models.layer_stack import build_layer_stack

@@ -14,7 +14,7 @@ Per decoder layer (one all_reduce after attention, one after the MLP):
     ``all_reduce`` sums the one non-zero row per token;
   * lm_head: vocabulary-parallel (the same shard when the embeddings are tied); the logit
     shards are ``all_gather``-ed so EVERY rank holds the full [L, V] logits: all ranks then
-    run identical sampling on identical numbers (see specrt.distributed).
+    run identical sampling on identical numbers (see specrt.step.distributed).
 The per-rank ``model.config`` says ``num_heads/N``, ``num_kv_heads/N`` and
 ``intermediate_size/N`` (vocab_size stays the full vocabulary: the logits are full), so a
 PagedKVCache built from it holds only this rank's kv heads.

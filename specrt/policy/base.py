@@ -6,7 +6,7 @@ A policy answers three questions:
   ``depth`` (only asked when ``stops_early``: it needs per-draft-step host values);
 - ``observe(request, drafted, accepted)`` after verification (acceptance history);
 and, ahead of time (what the next step will decide if every draft of this one is accepted:
-pre-drafting, specrt.overlap), ``k_ahead``, ``stop_rule_ahead`` and ``replayed_length``.
+pre-drafting, specrt.step.overlap), ``k_ahead``, ``stop_rule_ahead`` and ``replayed_length``.
 
 Every policy changes only which tokens are proposed, never the output distribution.
 """

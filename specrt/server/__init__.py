@@ -16,7 +16,7 @@ command line).
 OpenAI sampling fields: temperature, top_p, max_tokens, stop, seed, presence_penalty,
 frequency_penalty, logit_bias, logprobs (completions: an integer; chat: true with
 top_logprobs), echo (completions; with max_tokens 0 it only scores the prompt). `suffix`,
-`best_of` > 1, `n` > 1 and tools are refused with a 400 (see specrt.controls for what each
+`best_of` > 1, `n` > 1 and tools are refused with a 400 (see specrt.sampling.controls for what each
 control and the log-probabilities mean). As in OpenAI and vLLM, a prompt plus an explicit
 `max_tokens` (or `max_completion_tokens`) beyond the model's context is a 400 naming the field
 and both numbers (without one, generation runs to the context, or 16 tokens on completions);

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specrt.warmup import warm_up as engine_warm_up
 from specrt.server.errors import APIError, ClientGone
 from specrt.server.middleware import GateAndCount
 from specrt.server.routes import router
@@ -22,6 +21,7 @@ from specrt.server.schemas import REQUEST_MODELS
 from specrt.server.settings import DEFAULT_BODY_TIMEOUT_S, DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, \
     DEFAULT_KEEP_ALIVE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, MAX_TAGS, ServerSettings
 from specrt.server.state import ServerState
+from specrt.step.warmup import warm_up as engine_warm_up
 
 logger = logging.getLogger("specrt.server")
 VERSION = "0.1.0"

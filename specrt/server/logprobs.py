@@ -11,7 +11,7 @@
 A token's string is its UTF-8 text, or ``"bytes:\\xNN..."`` when its bytes are not valid UTF-8 on
 their own (a piece of a multi-byte character). A log-probability of -inf (a token the sampling
 transform removed) is reported as -9999.0, OpenAI's floor (JSON has no infinity). What the
-numbers are: specrt.controls.
+numbers are: specrt.sampling.controls.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import json
 import math
 import re
 
-from specrt.controls import TokenLogprob
+from specrt.sampling.controls import TokenLogprob
 
 FLOOR = -9999.0
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

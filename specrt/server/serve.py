@@ -271,14 +271,14 @@ def _build_app(args, api_key):
     engine = built = None
     try:
         if args.tensor_parallel_size > 1:   # the server spawns its own workers: no external launcher
-            from specrt.distributed import create_engine
+            from specrt.step.distributed import create_engine
 
             if options:
                 raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in options)} not supported with "
                                  f"--tensor-parallel-size > 1")
             engine = create_engine(**kw, tensor_parallel_size=args.tensor_parallel_size)
         elif options:  # LLMEngine options create_app does not take: build the engine here
-            from specrt.engine import LLMEngine
+            from specrt.step.engine import LLMEngine
 
             built = LLMEngine(**kw, **options)
         given = engine or built

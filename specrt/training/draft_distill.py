@@ -37,7 +37,7 @@ def resolve_target(target: str) -> Path:
     try:
         from specrt.models.registry import resolve_model
     except ImportError:  # before GGUF support: folders and "builtin" only
-        from specrt.engine import resolve_model_path as resolve_model
+        from specrt.step.engine import resolve_model_path as resolve_model
     return Path(resolve_model(target, "target"))
 
 

@@ -113,7 +113,7 @@ def _alpha(logits, topk_ids, topk_logprobs, t2d, temperature: float) -> torch.Te
 def step_costs(target, drafts: dict, context: int = 192, k: int = 4, repeats: int = 25) -> dict:
     """Median seconds of target 1-token and (k+1)-token forwards and each draft's 1-token forward,
     measured alternately at ``context`` cached tokens; returns ratios c and v per draft."""
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
 
     bs, n = 16, context + k + 1
     table = [list(range(-(-n // bs)))]

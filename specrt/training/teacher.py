@@ -115,7 +115,7 @@ def target_outputs(target, seqs: list[list[int]], block_size: int = 16, hidden_l
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One prefill of ``seqs`` through specrt's model: (logits [N, V] float32, final-normed hidden [N, H],
     or [N, k H] the outputs of ``hidden_layers`` concatenated)."""
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
 
     lens = [len(s) for s in seqs]
     tables, nxt = [], 0
@@ -186,7 +186,7 @@ def generate_and_record(target, prompts: list[list[int]], temperatures: list[flo
     sequence is stored up to its second-to-last token, so every stored position has the
     teacher row that predicts the next token (the last row predicts the final token).
     hidden_layers: store those layers' outputs concatenated as the features (an EAGLE-3 draft)."""
-    from specrt.kv_cache import AttentionMetadata, allocate_kv_cache
+    from specrt.models.kv_cache import AttentionMetadata, allocate_kv_cache
 
     dev = target.device
     gen = torch.Generator().manual_seed(seed)

@@ -1,7 +1,7 @@
 """The logit controls of one request, on the host (no tensors): what its history holds for the
 penalties, its bans, and the log-probability records a request returns.
 
-The sampling transform of every row, draft and target alike (specrt.sampling applies it):
+The sampling transform of every row, draft and target alike (specrt.sampling.transform applies it):
 
     1. apply_penalties (one op for all rows): x + logit_bias; repetition_penalty on every token
        of the prompt or generated so far; frequency / presence penalty on every token generated

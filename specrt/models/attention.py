@@ -1,8 +1,9 @@
 """Attention metadata and the KV-cache writes the model's attention layers issue.
 
-Below both ``specrt.models`` (which reads the metadata and writes K/V) and ``specrt.kv_cache``
-(which builds the metadata from its block tables). ``write_kv`` / ``copy_blocks`` / ``copy_slots``
-are thin wrappers over the ``specrt.ops`` kernels; their pure-torch oracle is ``specrt.ops.reference``.
+Below the model code (``llama``, ``attention_path``, ``draft_model``: they read the metadata and
+write K/V) and the KV cache (``kv_cache``: it builds the metadata from its block tables).
+``write_kv`` / ``copy_blocks`` / ``copy_slots`` are thin wrappers over the ``specrt.ops`` kernels;
+their pure-torch oracle is ``specrt.ops.reference``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 
 from specrt import ops
 from specrt.config import SamplingParams
-from specrt.controls import ControlState, TokenLogprob, control_state
+from specrt.sampling.controls import ControlState, TokenLogprob, control_state
 from specrt.structured import bitmask_width
 
 _INT32_MAX = 2 ** 31 - 1

@@ -2,7 +2,7 @@
 
 Per request (row b) with n drafts of which a were accepted: the target's KV now holds
 [0, context_len + a); the drafter says what its own cache holds (``on_commit``, then
-``settle`` for draft work made during the step for the next one: specrt.overlap); the surplus
+``settle`` for draft work made during the step for the next one: specrt.step.overlap); the surplus
 KV slots are rolled back (the block table is truncated, nothing copied); a + 1 tokens are
 appended, and the request's full blocks are registered for prefix sharing.
 """
@@ -14,13 +14,13 @@ from typing import Callable
 
 import torch
 
-from specrt.attention import copy_slots
 from specrt.drafters import Drafter, DraftProposal
 from specrt.drafters.tree import node_depths
-from specrt.kv_cache import PagedKVCache
+from specrt.models.attention import copy_slots
+from specrt.models.kv_cache import PagedKVCache
 from specrt.observability.metrics import StepSample
-from specrt.scheduler import Request
-from specrt.verify import VerifyResult, commit_logprobs
+from specrt.step.scheduler import Request
+from specrt.step.verify import VerifyResult, commit_logprobs
 
 logger = logging.getLogger("specrt.engine")
 
@@ -36,7 +36,7 @@ class CommitContext:
 
 
 # settle(request, row, held) -> (positions the drafter's KV holds, host seconds of draft work made during
-# the step for the next one, of which hidden behind the verification): specrt.overlap.Overlap.settler
+# the step for the next one, of which hidden behind the verification): specrt.step.overlap.Overlap.settler
 Settle = Callable[[Request, int, "int | None"], "tuple[int | None, float, float]"]
 
 
@@ -92,7 +92,7 @@ def _commit_one(ctx: CommitContext, r: Request, b: int, proposal: DraftProposal,
     L = r.context_len
     r.target_cached = L + a
     held = ctx.drafter.on_commit(r, b, proposal) if ctx.drafter is not None else None
-    ahead_s = hidden_s = 0.0           # draft work made this step for the next one (specrt.overlap)
+    ahead_s = hidden_s = 0.0           # draft work made this step for the next one (specrt.step.overlap)
     if settle is not None:
         held, ahead_s, hidden_s = settle(r, b, held)
     if held is not None:

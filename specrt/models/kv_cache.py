@@ -30,7 +30,7 @@ from typing import Hashable
 
 import torch
 
-from specrt.attention import AttentionMetadata, copy_blocks
+from specrt.models.attention import AttentionMetadata, copy_blocks
 from specrt.models.config import ModelConfig
 from specrt.models.loader import resolve_dtype
 

@@ -9,7 +9,7 @@ import random
 
 from specrt.config import SamplingParams
 from specrt.models import check_prompt_length
-from specrt.scheduler import Request
+from specrt.step.scheduler import Request
 from specrt.structured import Grammar, GrammarCompiler, Structured
 
 MAX_TENANT_CHARS = 256

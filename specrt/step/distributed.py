@@ -49,12 +49,12 @@ import torch
 import torch.distributed as dist
 
 from specrt.config import SpecConfig
-from specrt.engine import LLMEngine
-from specrt.loading import resolve_model_path
-from specrt.attention import AttentionMetadata
-from specrt.kv_cache import allocate_kv_cache
 from specrt.models import ModelConfig, load_model
+from specrt.models.attention import AttentionMetadata
+from specrt.models.kv_cache import allocate_kv_cache
+from specrt.models.sources import resolve_model_path
 from specrt.models.tp import check_tp_divisible, shard_model_
+from specrt.step.engine import LLMEngine
 
 __all__ = ["TPEngine", "create_engine"]
 

@@ -11,7 +11,7 @@
 State per request: the target's KV holds positions [0, target_cached); the last context token
 is "pending" (fed in the next step together with the drafts). A drafter with a KV of its own
 holds [0, draft_cached). Preemption frees the blocks and resets both to 0: the request
-recomputes its context later (see specrt.scheduler for what that reproduces).
+recomputes its context later (see specrt.step.scheduler for what that reproduces).
 """
 from __future__ import annotations
 
@@ -26,29 +26,30 @@ import torch
 
 from specrt import ops
 from specrt.config import SamplingParams, SpecConfig, clamp_k
-from specrt.accounting import record_costs, record_samples
 from specrt.drafters import (DraftAsk, Drafter, DraftProposal, DraftSettings, History, ReadsTarget, check_draft_size,
                              make_drafter, no_drafts)
 from specrt.drafters.spec import parse_draft
 from specrt.drafters.tree import TreeShape
-from specrt.policy.tree import TreePlanner, TreeStep
-from specrt.kv_cache import PagedKVCache, kv_cache_blocks
-from specrt.loading import ModelLoader, load_target, use_int8_activations
-from specrt.attention import KVWindow
-from specrt.calibration import calibrate
-from specrt.commit import CommitContext, commit_step
+from specrt.models import load_generation_config, load_tokenizer
+from specrt.models.attention import KVWindow
+from specrt.models.kv_cache import PagedKVCache, kv_cache_blocks
+from specrt.models.sources import ModelLoader, load_target, use_int8_activations
 from specrt.observability.health import HealthRanges
 from specrt.observability.metrics import EngineMetrics
-from specrt.intake import RequestIntake
-from specrt.models import load_generation_config, load_tokenizer
 from specrt.policy import CostModel, make_policy
-from specrt.overlap import Overlap, overlap_status
-from specrt.prefill import split_prefill
-from specrt.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.threads import ThreadGovernor, default_threads
-from specrt.verify import PromptRows, accept, build_verify_batch, feeds_context, path_rows, to_host
+from specrt.policy.tree import TreePlanner, TreeStep
+from specrt.sampling.logprobs import PromptRows
+from specrt.step.accounting import record_costs, record_samples
+from specrt.step.calibration import calibrate
+from specrt.step.commit import CommitContext, commit_step
+from specrt.step.intake import RequestIntake
+from specrt.step.overlap import Overlap, overlap_status
+from specrt.step.prefill import split_prefill
+from specrt.step.scheduler import Request, RequestOutput, RequestStatus, Scheduler
+from specrt.step.threads import ThreadGovernor, default_threads
+from specrt.step.verify import accept, build_verify_batch, feeds_context, path_rows, to_host
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("specrt.engine")    # the step's one logger (commit, overlap and the drafters log here too)
 HEALTH_CHECK_EVERY_S = 10.0  # how often the step checks the health ranges (the log itself is rate-limited)
 SYNTHETIC_TAGS = ("warmup", "calibration")   # warm-up and calibration requests: drafters learn nothing from them
 
@@ -59,7 +60,7 @@ class LLMEngine:
     ``target_quantize`` / ``draft_quantize`` (None, "int8", "q8_0", "q4_0", "q4_1"): load that model with
     weight-only quantized layers that stay quantized; ``draft_quantize="auto"`` (the default): Q8_0 with
     int8 activations for a draft model on a CPU with AVX-512-VNNI, else None
-    (specrt.loading.resolve_draft_quantize); ``draft_dtype``: the draft model's activation
+    (specrt.models.sources.resolve_draft_quantize); ``draft_dtype``: the draft model's activation
     dtype (default: the engine's ``dtype``). Greedy output stays token-identical to autoregressive
     decoding of the same target (a quantized target is a different model: compare against itself).
     ``int8_activations`` (CPU, opt-in): the quantized target's layers (and a quantized draft model's)
@@ -213,7 +214,7 @@ class LLMEngine:
 
     def calibrate(self, batch_sizes: Sequence[int] = (1, 4), rounds: int = 4, run: int = 4,
                   prompts: Sequence | None = None) -> None:
-        """Seed the cost model with measured plain and drafting steps (specrt.calibration)."""
+        """Seed the cost model with measured plain and drafting steps (specrt.step.calibration)."""
         calibrate(self, batch_sizes, rounds, run, prompts)
 
     # ------------------------------------------------------------------ one step
@@ -262,7 +263,7 @@ class LLMEngine:
     def _run(self, batch: list[Request], k: int | None, t0: float,
              prefill: Sequence[tuple[Request, int]] = ()) -> list[RequestOutput]:
         """One speculative step over ``batch`` (``t0``: when the step began, admission included),
-        with ``prefill``'s prompt chunks riding along (specrt.prefill). If it raises before the
+        with ``prefill``'s prompt chunks riding along (specrt.step.prefill). If it raises before the
         commit, every request of the batch is as before it (so the step can be retried without
         the culprit)."""
         t_step = time.perf_counter()
@@ -342,7 +343,7 @@ class LLMEngine:
         return [r.output(*before[i]) for i, r in enumerate(batch)]
 
     def _prefill_only(self, prefill: Sequence[tuple[Request, int]]) -> list[RequestOutput]:
-        """A step of prompt chunks alone (specrt.prefill): their K/V and hidden states; no output."""
+        """A step of prompt chunks alone (specrt.step.prefill): their K/V and hidden states; no output."""
         if not prefill:
             return []
         vb = build_verify_batch([], no_drafts(0, self.device), self.kv, self.device, prefill)
@@ -377,7 +378,7 @@ class LLMEngine:
         prompt would change its KV by ulps, and greedy output would differ from autoregressive).
         0 too on the first step after admission even when the prefix cache held all but the last
         token (no prefill): the draft lengths, which a seeded request's tokens depend on under
-        rejection sampling, must not depend on what the cache held (specrt.scheduler)."""
+        rejection sampling, must not depend on what the cache held (specrt.step.scheduler)."""
         if ahead == 0 and (feeds_context(r) or r.just_admitted):
             return 0
         remaining = r.params.max_tokens - r.num_generated - ahead - 1

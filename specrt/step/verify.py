@@ -15,13 +15,14 @@ from typing import NamedTuple
 import torch
 
 from specrt import ops
-from specrt.attention import AttentionMetadata
 from specrt.config import SamplingParams
-from specrt.controls import TokenLogprob
 from specrt.drafters.base import DraftProposal
 from specrt.drafters.tree import ancestor_mask, node_depths
-from specrt.sampling import (BatchControls, RowLogprobs, apply_controls, batch_controls, logprob_records, mask_eos,
-                             pad_rows, param_rows, probs_from_logits, row_logprobs)
+from specrt.models.attention import AttentionMetadata
+from specrt.sampling.controls import TokenLogprob
+from specrt.sampling.logprobs import PromptRows, output_logprobs, packed, prompt_logprobs, records
+from specrt.sampling.transform import (BatchControls, RowLogprobs, apply_controls, batch_controls, mask_eos, pad_rows,
+                                       param_rows, probs_from_logits)
 
 
 @dataclass
@@ -74,7 +75,7 @@ class VerifyResult:
     output_token_ids: list[list[int]]  # [B][K+1] emitted tokens: the first num_accepted + 1 are valid
     num_accepted: list[int]            # [B]
     guesses: list[int]                 # [B] each request's token guessed before the verification (the
-                                       # bonus a pre-draft assumed, specrt.overlap), -1: none
+                                       # bonus a pre-draft assumed, specrt.step.overlap), -1: none
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)   # request b -> rows 0..n_b
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)   # b -> per prompt token
     accepted_nodes: list[list[int]] | None = None   # [B][num_accepted] a tree step's path (node indices)
@@ -91,58 +92,11 @@ def feeds_context(r) -> bool:
     return r.context_len - r.target_cached > 1 or scores_prompt(r)
 
 
-PROMPT_LOGPROB_ROWS = 256   # prompt rows (prompt_logprobs) whose [rows, V] logits exist at once
-
-
-class PromptRows:
-    """The prompt rows of a step that scores prompts, as final-normed hidden states [P, H] and the
-    target's LM head: their logits are made PROMPT_LOGPROB_ROWS rows at a time (an 8k-token prompt
-    never has its [P, V] logits in memory). ``head_of(vb, target, hidden_layers)`` says whether a
-    step can: it then runs the target with ``logits_indices`` = the verified rows and ``all_hidden``."""
-
-    def __init__(self, hidden: torch.Tensor, head):
-        self.hidden, self.head = hidden, head
-
-    @staticmethod
-    def final_columns(target, hidden_layers) -> slice | None:
-        """Where the final-normed state sits in the forward's hidden: all of it (no
-        ``hidden_layers``), its block of the fused layer features (an EAGLE-3 drafter's list names
-        the final norm, index num_layers), or None (the features leave it out)."""
-        if hidden_layers is None:
-            return slice(None)
-        cfg, layers = target.config, [int(i) for i in hidden_layers]
-        if cfg.num_layers not in layers:
-            return None
-        j = layers.index(cfg.num_layers)
-        return slice(j * cfg.hidden_size, (j + 1) * cfg.hidden_size)
-
-    @classmethod
-    def head_of(cls, vb: VerifyBatch, target, hidden_layers) -> torch.nn.Module | None:
-        """The target's LM head if this step's prompt rows are to be scored from their hidden
-        states, else None (no prompt rows; a target without one; fused layer features without the
-        final-normed state: the prompt rows' logits then come from the forward)."""
-        head = getattr(target, "lm_head", None)
-        if not vb.prompt_rows or not isinstance(head, torch.nn.Module) or \
-                cls.final_columns(target, hidden_layers) is None:
-            return None
-        return head
-
-    @classmethod
-    def take(cls, vb: VerifyBatch, every_hidden: torch.Tensor, head, columns: slice = slice(None)) -> "PromptRows":
-        """From the forward's hidden of every fed row [T, H] (or [T, k * H] fused features, whose
-        ``columns`` hold the final-normed state)."""
-        return cls(every_hidden[:, columns].index_select(0, vb.logits_indices[len(vb.row_request):]), head)
-
-    def logits(self, a: int, e: int) -> torch.Tensor:
-        """[e - a, V] float32: the logits of prompt rows a..e-1."""
-        return self.head(self.hidden[a:e]).float()
-
-
 def build_verify_batch(batch, proposal: DraftProposal, kv, device, prefill=()) -> VerifyBatch:
     """Lay out every request's pending tokens + drafts; reserve nothing (the slots exist). A request
     scoring its prompt feeds all of it: positions whose KV is cached already (a shared prefix) are
     recomputed for their logits without being written again (slot -1). ``prefill``: prefill-only
-    requests (specrt.prefill) and where their chunk ends, fed after the batch's rows, unscored
+    requests (specrt.step.prefill) and where their chunk ends, fed after the batch's rows, unscored
     (in query_start / query_position they follow the batch's requests)."""
     K = proposal.draft_token_ids.shape[1]
     n = proposal.num_draft_tokens
@@ -252,8 +206,8 @@ def accept(vb: VerifyBatch, logits: torch.Tensor, acceptance: str | None, eos_to
             tokens, accepted = ops.rejection_sample(padded, vb.draft_probs, vb.draft_token_ids,
                                                     vb.num_draft_tokens_t, vb.seeds, vb.first_positions,
                                                     method=acceptance, check_values=False)
-    return Verified(tokens, accepted, _output_logprobs(vb, logits, probs, tokens),
-                    _prompt_logprobs(vb, prompt_logits, prompt), nodes)
+    return Verified(tokens, accepted, output_logprobs(vb, logits, probs, tokens),
+                    prompt_logprobs(vb, prompt_logits, prompt), nodes)
 
 
 def _accept_tree(vb: VerifyBatch, logits, acceptance: str | None, counts: list[int], K: int):
@@ -285,69 +239,12 @@ def path_rows(vb: VerifyBatch, accepted_nodes: torch.Tensor, num_rows: int) -> t
     return index
 
 
-def _output_logprobs(vb: VerifyBatch, logits, probs, tokens) -> RowLogprobs | None:
-    """Of each logprob row's output token (specrt.controls: the log of the distribution it was drawn
-    from; the log-softmax of the controlled logits for a greedy request)."""
-    if not vb.logprob_rows:
-        return None
-    dev = logits.device
-    rows = torch.tensor(vb.logprob_rows, dtype=torch.int64).to(dev, non_blocking=True)
-    params = [vb.row_params[j] for j in vb.logprob_rows]
-    logp = torch.log_softmax(logits.index_select(0, rows), -1)                        # [L, V]
-    if probs is not None:
-        greedy = torch.tensor([p.greedy for p in params]).to(dev, non_blocking=True)
-        logp = torch.where(greedy[:, None], logp, probs.index_select(0, rows).log())
-    req = [vb.row_request[j] for j in vb.logprob_rows]
-    col = [min(vb.row_offset[j], tokens.shape[1] - 1) for j in vb.logprob_rows]
-    tok = tokens[torch.tensor(req).to(dev, non_blocking=True), torch.tensor(col).to(dev, non_blocking=True)]
-    return row_logprobs(logp, tok.clamp(min=0), [p.logprobs for p in params])
-
-
-def _prompt_logprobs(vb: VerifyBatch, logits, prompt: PromptRows | None = None) -> RowLogprobs | None:
-    """Of each prompt row's next prompt token, PROMPT_LOGPROB_ROWS rows at a time: only each row's
-    top-N and its token's log-probability are kept, never a [P, V] log-softmax. The rows' logits
-    are ``logits`` [P, V], or (``prompt``) made from their hidden states a chunk at a time too."""
-    if not vb.prompt_rows:
-        return None
-    P = len(vb.prompt_rows)
-    dev = prompt.hidden.device if prompt is not None else logits.device
-    tok = torch.tensor([t for _, t in vb.prompt_rows], dtype=torch.int64).to(dev, non_blocking=True)
-    top_n = [vb.params[b].prompt_logprobs for b, _ in vb.prompt_rows]
-    n = max(top_n)                    # every chunk keeps the same N columns (rows report their own)
-    parts = []
-    for a in range(0, P, PROMPT_LOGPROB_ROWS):
-        e = min(a + PROMPT_LOGPROB_ROWS, P)
-        x = prompt.logits(a, e) if prompt is not None else logits[a:e]               # [<= chunk, V]
-        parts.append(row_logprobs(torch.log_softmax(x, -1), tok[a:e], [n] * (e - a)))
-    n = min(n, parts[0].top_logprob.shape[1])
-    return RowLogprobs(torch.cat([p.token_logprob for p in parts]), torch.cat([p.top_logprob for p in parts]),
-                       torch.cat([p.top_token for p in parts]), [min(k, n) for k in top_n])
-
-
 def commit_logprobs(r, b: int, result: VerifyResult) -> list[TokenLogprob] | None:
     """At request r's commit (row b): store its prompt's log-probabilities if this step scored them,
     and return its verified rows' (for ``Request.append_tokens``)."""
     if scores_prompt(r):
         r.prompt_logprobs = result.prompt_logprobs.get(b, [None])
     return result.logprobs.get(b)
-
-
-def _flat(x: RowLogprobs | None) -> list[torch.Tensor]:
-    if x is None:
-        return []
-    return [x.token_logprob.float().view(torch.int32).reshape(-1), x.top_logprob.float().view(torch.int32).reshape(-1),
-            x.top_token.to(torch.int32).reshape(-1)]
-
-
-def _unflat(host: torch.Tensor, at: int, x: RowLogprobs | None) -> tuple[int, tuple | None]:
-    """The host lists of ``x`` packed by _flat from ``host[at:]``; returns (next offset, lists)."""
-    if x is None:
-        return at, None
-    L, N = x.top_logprob.shape
-    lp = host[at:at + L].view(torch.float32).tolist()
-    top_lp = host[at + L:at + L + L * N].view(torch.float32).view(L, N).tolist()
-    top_tok = host[at + L + L * N:at + L + 2 * L * N].view(L, N).tolist()
-    return at + L + 2 * L * N, (lp, top_lp, top_tok, x.top_n)
 
 
 def to_host(vb: VerifyBatch, verified: Verified, guessed: dict[int, torch.Tensor] | None = None) -> VerifyResult:
@@ -362,19 +259,12 @@ def to_host(vb: VerifyBatch, verified: Verified, guessed: dict[int, torch.Tensor
     nodes = verified.accepted_nodes
     head = torch.cat([tokens.to(torch.int32), accepted.to(torch.int32)[:, None], guesses[:, None]]
                      + ([nodes.to(torch.int32)] if nodes is not None else []), 1)
-    host = torch.cat([head.reshape(-1)] + _flat(verified.logprobs) + _flat(verified.prompt_logprobs)).cpu()
+    host = torch.cat([head.reshape(-1)] + packed(verified.logprobs, verified.prompt_logprobs)).cpu()
     table = host[:head.numel()].view(head.shape)
     W = tokens.shape[1]
     result = VerifyResult(table[:, :W].tolist(), table[:, W].tolist(), table[:, W + 1].tolist())
     if nodes is not None:
         result.accepted_nodes = [row[W + 2:W + 2 + a] for row, a in zip(table.tolist(), result.num_accepted)]
-    at, out = _unflat(host, head.numel(), verified.logprobs)
-    if out is not None:
-        out_tokens = [result.output_token_ids[vb.row_request[j]][vb.row_offset[j]] for j in vb.logprob_rows]
-        for j, rec in zip(vb.logprob_rows, logprob_records(out_tokens, *out)):
-            result.logprobs.setdefault(vb.row_request[j], []).append(rec)
-    _, prompt = _unflat(host, at, verified.prompt_logprobs)
-    if prompt is not None:
-        for (b, _), rec in zip(vb.prompt_rows, logprob_records([t for _, t in vb.prompt_rows], *prompt)):
-            result.prompt_logprobs.setdefault(b, [None]).append(rec)
+    result.logprobs, result.prompt_logprobs = records(vb, host[head.numel():], verified.logprobs,
+                                                      verified.prompt_logprobs, result.output_token_ids)
     return result

@@ -11,8 +11,8 @@ from __future__ import annotations
 from specrt.drafters import DraftProposal
 from specrt.observability.metrics import EngineMetrics, StepSample
 from specrt.policy import CostModel
-from specrt.scheduler import Request
-from specrt.verify import VerifyBatch
+from specrt.step.scheduler import Request
+from specrt.step.verify import VerifyBatch
 
 
 def record_costs(costs: CostModel, vb: VerifyBatch, proposal: DraftProposal, step_s: float, total_s: float,

@@ -22,8 +22,8 @@ from specrt.drafters import Drafter, DraftProposal, ReadsTarget
 from specrt.drafters.predraft import PreDraft, PreDrafting
 from specrt.observability.metrics import EngineMetrics
 from specrt.policy import DraftPolicy
-from specrt.scheduler import Request
-from specrt.verify import VerifyResult
+from specrt.step.scheduler import Request
+from specrt.step.verify import VerifyResult
 
 logger = logging.getLogger("specrt.engine")
 
@@ -110,7 +110,7 @@ class Overlap:
 
     def settler(self, pre: dict[int, PreDraft], proposal: DraftProposal, result: VerifyResult,
                 metrics: EngineMetrics) -> Callable[[Request, int, int | None], tuple[int | None, float, float]]:
-        """The commit's per-request hook (specrt.commit.commit_step ``settle``): keeps or drops row
+        """The commit's per-request hook (specrt.step.commit.commit_step ``settle``): keeps or drops row
         b's pre-draft and returns (positions its draft KV holds, the pre-draft's host seconds, of
         which hidden behind the verification). Records the pre-drafts made, and those this step's
         proposal used."""

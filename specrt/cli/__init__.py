@@ -6,6 +6,8 @@
     specrt bench --quick [--out DIR]  # end-to-end benchmark report (the bench package ships with specrt)
     specrt distill --target T --out D # a draft model for a target (docs/distill.md)
     specrt convert model.gguf OUT_DIR # a GGUF file (or smollm2-135m) as a Hugging Face folder
+
+``python -m specrt.cli`` runs it too (__main__.py); the demo is demo.py.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 
 
 def _demo(argv: list[str] | None = None) -> int:
-    from specrt.demo import main
+    from specrt.cli.demo import main
 
     return main(argv)
 
@@ -54,7 +56,7 @@ def bench(argv: list[str]) -> int:
     import importlib
     from pathlib import Path
 
-    home = Path(__file__).resolve().parent.parent       # site-packages, or a source checkout's root
+    home = Path(__file__).resolve().parents[2]          # site-packages, or a source checkout's root
     command = f"python -m bench {' '.join(argv)}".rstrip()
     if not (home / "bench" / "cli.py").is_file():
         print(f"specrt bench: no bench package beside this specrt ({home}): it was installed without one. "
@@ -133,6 +135,3 @@ def main(argv: list[str] | None = None) -> int:
     p.print_help()
     return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

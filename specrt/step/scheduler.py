@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple, Union
 
 from specrt.config import SamplingParams
-from specrt.controls import ControlState, TokenLogprob
 from specrt.observability.metrics import RequestStats
 from specrt.policy import RequestPolicyState
+from specrt.sampling.controls import ControlState, TokenLogprob
 from specrt.structured import Grammar
 
 if TYPE_CHECKING:   # the drafters' per-request records (annotations only: no import of the drafters at run time)
@@ -101,7 +101,7 @@ class Request:
     lookup_state: LookupState | None = None     # a model drafter's prompt-lookup index (draft="MODEL+ngram")
     evidence_class: int | None = None     # what the drafter's current proposal rests on (n-gram: the
                                           # matched suffix length); the budget policy pools acceptance by it
-    controls_state: ControlState | None = None  # history for penalties and bans (specrt.controls.control_state)
+    controls_state: ControlState | None = None  # history for penalties and bans (specrt.sampling.controls.control_state)
     grammar: Grammar | None = None        # the compiled grammar of params.structured (at intake)
     output_logprobs: list[TokenLogprob] | None = None         # [num_generated] when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [len(prompt)] once computed (prompt_logprobs)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specrt.scheduler import Request
-from specrt.verify import feeds_context, scores_prompt
+from specrt.step.scheduler import Request
+from specrt.step.verify import feeds_context, scores_prompt
 
 
 @dataclass(frozen=True)

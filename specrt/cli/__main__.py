@@ -1,0 +1,6 @@
+"""`python -m specrt.cli`: the `specrt` command."""
+import sys
+
+from specrt.cli import main
+
+sys.exit(main())
