@@ -136,3 +136,72 @@ def test_a_slow_trial_step_ends_the_trial():
     used = run(gov, 5000, lambda n: starved[n])
     assert gov.current == 1 and gov.switches == 1
     assert used.count(2) <= 12                  # each trial stops after its first slow step at 2
+
+
+class FakeLoad:
+    """Other processes' load as the test sets it (cores busy), on ``ncpus`` CPUs."""
+
+    available = True
+
+    def __init__(self, ncpus: int = 2, others: float = 0.0):
+        self.ncpus, self.value, self.reads = ncpus, others, 0
+
+    def others(self):
+        self.reads += 1
+        return self.value
+
+
+def test_a_busy_core_seen_in_the_load_is_left_alone_from_the_first_step():
+    """Another process spinning a core: the governor runs at one thread from its first step (no
+    steps lost at two before a trial finds it) and tries two again only once the core is free."""
+    from specrt.step.threads import LOAD_EVERY
+
+    load = FakeLoad(2, others=1.0)
+    gov = ThreadGovernor(2, load=load)
+    starved = {2: 0.200, 1: 0.010}
+    used = run(gov, 2000, lambda n: starved[n])
+    assert used.count(2) == 0 and gov.current == 1 and gov.switches == 1
+    assert LOAD_EVERY * (load.reads - 1) <= 2000            # read every LOAD_EVERY steps, not every step
+    load.value = 0.05                                       # the other process ended
+    healthy = {2: 0.006, 1: 0.010}
+    used = run(gov, 3 * LOAD_EVERY, lambda n: healthy[n])
+    assert gov.current == 2 and used[-LOAD_EVERY:] == [2] * LOAD_EVERY
+
+
+def test_the_load_reading_drops_to_the_cores_left():
+    load = FakeLoad(8, others=2.6)                          # 8 cores, ~3 taken
+    gov = ThreadGovernor(8, load=load)
+    used = run(gov, 100, lambda n: 0.01)
+    assert used[0] == 5 and gov.current == 5
+
+
+@pytest.mark.parametrize("others", [None, 0.0, 0.4])
+def test_an_idle_or_unknown_load_changes_nothing(others):
+    gov, ref = ThreadGovernor(2, load=FakeLoad(2, others)), ThreadGovernor(2)
+    healthy = {2: 0.006, 1: 0.010}
+    assert run(gov, 3000, lambda n: healthy[n]) == run(ref, 3000, lambda n: healthy[n])
+
+
+def test_cpu_load_sees_a_spinning_process():
+    """The real reading: a child process spinning one core shows as about one core of load (this
+    process's own CPU time is not counted)."""
+    import subprocess
+    import time
+
+    from specrt.step.threads import CpuLoad
+
+    if not os.path.exists("/proc/stat") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux /proc/stat and two CPUs")
+    load = CpuLoad()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        load.others()                      # from here: the child alone
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            sum(i * i for i in range(10_000))   # this process busy too: its own time must not count
+        seen = load.others()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert seen is not None and 0.7 <= seen <= load.ncpus

@@ -46,7 +46,7 @@ from specrt.step.intake import RequestIntake
 from specrt.step.overlap import Overlap, overlap_status
 from specrt.step.prefill import split_prefill
 from specrt.step.scheduler import Request, RequestOutput, RequestStatus, Scheduler
-from specrt.step.threads import ThreadGovernor, default_threads
+from specrt.step.threads import CpuLoad, ThreadGovernor, default_threads
 from specrt.step.verify import accept, build_verify_batch, feeds_context, path_rows, to_host
 
 logger = logging.getLogger("specrt.engine")    # the step's one logger (commit, overlap and the drafters log here too)
@@ -125,7 +125,8 @@ class LLMEngine:
         self._agree_ks = agree_ks
         self.intake = RequestIntake(self.tokenizer, self.target.config, self.max_model_len, seed)
         self.lock = threading.RLock()
-        self.threads = ThreadGovernor(self.spec.threads or default_threads(), self.spec.adaptive_threads) \
+        self.threads = ThreadGovernor(self.spec.threads or default_threads(), self.spec.adaptive_threads,
+                                      CpuLoad() if self.spec.adaptive_threads else None) \
             if self.device.type == "cpu" else None
         self.metrics.info["threads"] = self.threads.current if self.threads is not None else None
         self._finished_pending: list[Request] = []

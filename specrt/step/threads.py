@@ -7,10 +7,15 @@ for the descheduled thread's next time slice, and a decode step of a few hundred
 down many times over. ``ThreadGovernor`` times the engine's steps at the configured count and,
 in short interleaved trials, at half of it, and runs at whichever emits tokens faster; trials
 back off while the choice holds, so an idle machine pays almost nothing for them.
+``CpuLoad`` sees the other processes directly: every few steps it reads how many cores they kept
+busy (``/proc/stat`` less this process's own CPU time), so the governor runs at the cores left
+from its first step on, without first losing steps at a starved count, and tries the full count
+again only once they are free.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -24,6 +29,8 @@ MAX_TRIAL_GAP = 4096      # steps between trials at most (the gap doubles while 
 MARGIN = 0.15             # the other count must take this much less time per token to switch
 STALL_FACTOR = 4.0        # a step at the full count this many times the typical one starts a trial at once
 TRIAL_ABORT = 2.0         # a trial step at the other count this many times the typical one ends the trial
+LOAD_EVERY = 16           # steps between readings of the other processes' load
+LOAD_WINDOW = 0.1         # seconds a reading spans at least (/proc/stat counts in 10 ms ticks)
 
 
 def available_cores() -> int:
@@ -57,13 +64,57 @@ def default_threads() -> int:
     return available_cores()
 
 
+class CpuLoad:
+    """How many cores other processes keep busy on the CPUs this process may run on: their busy
+    time in ``/proc/stat`` (steal included: a hypervisor's other guests) less this process's own CPU
+    time, over the span since the last reading. ``others()`` is None where /proc/stat is missing
+    (not Linux) or the span is shorter than ``LOAD_WINDOW``."""
+
+    def __init__(self):
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.ncpus = len(self.cpus) or (os.cpu_count() or 1)
+        self._names = {f"cpu{c}" for c in self.cpus}
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._read()
+        self.available = self._last is not None      # False: no /proc/stat (not Linux)
+
+    def _read(self) -> tuple[float, float, float] | None:
+        """(monotonic seconds, busy seconds of the watched CPUs, this process's CPU seconds)."""
+        try:
+            text = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+        busy = 0
+        for line in text.splitlines():
+            f = line.split()
+            if f and f[0] in self._names:      # user nice system idle iowait irq softirq steal ...
+                v = [int(x) for x in f[1:9]]
+                busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+        own = os.times()
+        return time.monotonic(), busy / self._tick, own.user + own.system
+
+    def others(self) -> float | None:
+        now = self._read()
+        if now is None or self._last is None:
+            self._last = now
+            return None
+        span = now[0] - self._last[0]
+        if span < LOAD_WINDOW:
+            return None
+        busy = (now[1] - self._last[1]) - (now[2] - self._last[2])
+        self._last = now
+        return max(busy / span, 0.0)
+
+
 @dataclass
 class ThreadGovernor:
     """The thread count of each engine step. ``threads``: the most it uses; ``adaptive``: try half
-    of it now and then and keep the faster (off: always ``threads``)."""
+    of it now and then and keep the faster (off: always ``threads``); ``load``: the other
+    processes' load (a ``CpuLoad``; None: trials alone decide)."""
 
     threads: int
     adaptive: bool = True
+    load: CpuLoad | None = None
     current: int = 0                  # the count steps run at outside trials
     switches: int = 0                 # times the choice changed
     _steps: int = 0
@@ -72,9 +123,12 @@ class ThreadGovernor:
     _trial: list[tuple[int, float, int]] = field(default_factory=list)   # (count, seconds, tokens) of the trial
     _typical: float = 0.0             # a running median-ish step time at ``current``
     _this_step: int = 0
+    _load_due: int = 0                # the step of the next load reading
 
     def __post_init__(self) -> None:
         self.current = self.threads
+        if self.load is not None and not self.load.available:
+            self.load = None
 
     @property
     def low(self) -> int:
@@ -82,6 +136,9 @@ class ThreadGovernor:
 
     def begin(self) -> None:
         """Before a step: set torch's thread count (on this thread) for it."""
+        if self.load is not None and self.adaptive and self.threads > 1 and not self._trial \
+                and self._steps >= self._load_due:
+            self._follow_load()
         n = self.current
         if self.adaptive and self.threads > 1 and (self._trial or self._steps >= self._next_trial):
             other = self.low if self.current == self.threads else self.threads
@@ -104,6 +161,23 @@ class ThreadGovernor:
         if self.current == self.threads and self._typical and seconds > STALL_FACTOR * self._typical:
             self._next_trial = self._steps       # a stall at the full count: try half of it at once
         self._typical = seconds if not self._typical else 0.9 * self._typical + 0.1 * seconds
+
+    def _follow_load(self) -> None:
+        """Run at the cores the other processes leave free: drop to them at once; no trial of the
+        full count while they stay taken; a trial as soon as they are free again."""
+        others = self.load.others()
+        if others is None:                 # too short a span yet: read again at the next step
+            self._load_due = self._steps + 1
+            return
+        self._load_due = self._steps + LOAD_EVERY
+        fits = max(1, min(self.threads, round(self.load.ncpus - others)))
+        if fits < self.current:
+            self.current, self.switches, self._typical = fits, self.switches + 1, 0.0
+            self._next_trial = self._steps + GAP_AFTER_SWITCH
+        elif fits < self.threads:
+            self._next_trial = max(self._next_trial, self._steps + LOAD_EVERY + 1)
+        elif self.current < self.threads:
+            self._next_trial = min(self._next_trial, self._steps)
 
     def _per_token(self, n: int) -> float:
         """Seconds per emitted token of the trial's steps at ``n`` threads."""
