@@ -146,6 +146,9 @@ class FakeLoad:
     def __init__(self, ncpus: int = 2, others: float = 0.0):
         self.ncpus, self.value, self.reads = ncpus, others, 0
 
+    def due(self):
+        return True
+
     def others(self):
         self.reads += 1
         return self.value
@@ -154,18 +157,17 @@ class FakeLoad:
 def test_a_busy_core_seen_in_the_load_is_left_alone_from_the_first_step():
     """Another process spinning a core: the governor runs at one thread from its first step (no
     steps lost at two before a trial finds it) and tries two again only once the core is free."""
-    from specrt.step.threads import LOAD_EVERY
+    from specrt.step.threads import LOAD_HOLD
 
     load = FakeLoad(2, others=1.0)
     gov = ThreadGovernor(2, load=load)
     starved = {2: 0.200, 1: 0.010}
     used = run(gov, 2000, lambda n: starved[n])
     assert used.count(2) == 0 and gov.current == 1 and gov.switches == 1
-    assert LOAD_EVERY * (load.reads - 1) <= 2000            # read every LOAD_EVERY steps, not every step
     load.value = 0.05                                       # the other process ended
     healthy = {2: 0.006, 1: 0.010}
-    used = run(gov, 3 * LOAD_EVERY, lambda n: healthy[n])
-    assert gov.current == 2 and used[-LOAD_EVERY:] == [2] * LOAD_EVERY
+    used = run(gov, 3 * LOAD_HOLD, lambda n: healthy[n])
+    assert gov.current == 2 and used[-LOAD_HOLD:] == [2] * LOAD_HOLD
 
 
 def test_the_load_reading_drops_to_the_cores_left():
@@ -205,3 +207,18 @@ def test_cpu_load_sees_a_spinning_process():
         spin.kill()
         spin.wait()
     assert seen is not None and 0.7 <= seen <= load.ncpus
+
+
+def test_the_load_is_read_by_the_clock_not_every_step():
+    """Readings come every LOAD_WINDOW seconds (a clock read per step, the file only then)."""
+    import time
+
+    from specrt.step.threads import LOAD_WINDOW, CpuLoad
+
+    load = CpuLoad()
+    if not load.available:
+        pytest.skip("needs Linux /proc/stat")
+    load.others()
+    assert not load.due() or LOAD_WINDOW == 0
+    time.sleep(LOAD_WINDOW * 1.2)
+    assert load.due()

@@ -7,7 +7,7 @@ for the descheduled thread's next time slice, and a decode step of a few hundred
 down many times over. ``ThreadGovernor`` times the engine's steps at the configured count and,
 in short interleaved trials, at half of it, and runs at whichever emits tokens faster; trials
 back off while the choice holds, so an idle machine pays almost nothing for them.
-``CpuLoad`` sees the other processes directly: every few steps it reads how many cores they kept
+``CpuLoad`` sees the other processes directly: every 0.1 s it reads how many cores they kept
 busy (``/proc/stat`` less this process's own CPU time), so the governor runs at the cores left
 from its first step on, without first losing steps at a starved count, and tries the full count
 again only once they are free.
@@ -29,8 +29,8 @@ MAX_TRIAL_GAP = 4096      # steps between trials at most (the gap doubles while 
 MARGIN = 0.15             # the other count must take this much less time per token to switch
 STALL_FACTOR = 4.0        # a step at the full count this many times the typical one starts a trial at once
 TRIAL_ABORT = 2.0         # a trial step at the other count this many times the typical one ends the trial
-LOAD_EVERY = 16           # steps between readings of the other processes' load
-LOAD_WINDOW = 0.1         # seconds a reading spans at least (/proc/stat counts in 10 ms ticks)
+LOAD_WINDOW = 0.1         # seconds between readings of the other processes' load (/proc/stat counts 10 ms ticks)
+LOAD_HOLD = 16            # steps a reading of taken cores holds trials of the full count back
 
 
 def available_cores() -> int:
@@ -93,6 +93,10 @@ class CpuLoad:
         own = os.times()
         return time.monotonic(), busy / self._tick, own.user + own.system
 
+    def due(self) -> bool:
+        """Whether ``LOAD_WINDOW`` has passed since the last reading (a clock read, no file)."""
+        return self._last is None or time.monotonic() - self._last[0] >= LOAD_WINDOW
+
     def others(self) -> float | None:
         now = self._read()
         if now is None or self._last is None:
@@ -123,7 +127,6 @@ class ThreadGovernor:
     _trial: list[tuple[int, float, int]] = field(default_factory=list)   # (count, seconds, tokens) of the trial
     _typical: float = 0.0             # a running median-ish step time at ``current``
     _this_step: int = 0
-    _load_due: int = 0                # the step of the next load reading
 
     def __post_init__(self) -> None:
         self.current = self.threads
@@ -136,8 +139,7 @@ class ThreadGovernor:
 
     def begin(self) -> None:
         """Before a step: set torch's thread count (on this thread) for it."""
-        if self.load is not None and self.adaptive and self.threads > 1 and not self._trial \
-                and self._steps >= self._load_due:
+        if self.load is not None and self.adaptive and self.threads > 1 and not self._trial and self.load.due():
             self._follow_load()
         n = self.current
         if self.adaptive and self.threads > 1 and (self._trial or self._steps >= self._next_trial):
@@ -166,16 +168,14 @@ class ThreadGovernor:
         """Run at the cores the other processes leave free: drop to them at once; no trial of the
         full count while they stay taken; a trial as soon as they are free again."""
         others = self.load.others()
-        if others is None:                 # too short a span yet: read again at the next step
-            self._load_due = self._steps + 1
+        if others is None:
             return
-        self._load_due = self._steps + LOAD_EVERY
         fits = max(1, min(self.threads, round(self.load.ncpus - others)))
         if fits < self.current:
             self.current, self.switches, self._typical = fits, self.switches + 1, 0.0
             self._next_trial = self._steps + GAP_AFTER_SWITCH
         elif fits < self.threads:
-            self._next_trial = max(self._next_trial, self._steps + LOAD_EVERY + 1)
+            self._next_trial = max(self._next_trial, self._steps + LOAD_HOLD)
         elif self.current < self.threads:
             self._next_trial = min(self._next_trial, self._steps)
 
