@@ -18,11 +18,15 @@ bitmask op against torch's unpack + masked_fill.
 generate: greedy, batch 1, chat-templated prompts (the schema in the prompt text), up to
 --max-tokens new tokens. Modes, alternated per prompt in a seeded random order within each
 repeat: ar_schema (autoregressive with the schema), ar_free (no schema, exactly as many tokens as
-ar_schema's output for that prompt: the same prefill and decode steps), and for each K
-spec_schema_kK / spec_free_kK (the draft, a chain of K, fixed policy). Reported: outputs that validate (jsonschema), speculative == AR
-token for token, tokens/s, the paired per-repeat ratios ar_schema/ar_free, spec_schema/ar_schema
-and spec_free/ar_free (median and its interval), acceptance per position with and without the
-schema. Writes one JSON (--out).
+ar_schema's output for that prompt: the same prefill and decode steps), ar_schema_open (--open:
+with the schema, structured_close=False: the grammar's mask alone, no closing within the budget),
+and for each K spec_schema_kK / spec_free_kK (the draft, a chain of K, fixed policy). Reported:
+outputs that validate (jsonschema), speculative == AR token for token, tokens/s, the paired
+per-repeat ratios ar_schema/ar_free, ar_schema/ar_schema_open, spec_schema/ar_schema and
+spec_free/ar_free (median and its interval), acceptance per position with and without the
+schema, and per schema mode the outputs the budget rule narrowed a row of (closed_by_budget;
+specrt.closing.narrowed_positions) and, for ar_schema, how many differ from ar_schema_open.
+Writes one JSON (--out).
 """
 from __future__ import annotations
 
@@ -233,6 +237,7 @@ def _prompt(tokenizer, case: dict) -> list[int]:
 
 def generate(args) -> dict:
     from specrt import LLM, SamplingParams, SpecConfig
+    from specrt.closing import narrowed_positions
     from specrt.structured import Structured
 
     store: dict = {}
@@ -258,7 +263,11 @@ def generate(args) -> dict:
     # steps): tokens/s then compares the cost of a token with and without the mask
     lengths = [len(ar.generate([p], sp)[0].token_ids) for p, sp in zip(prompts, schema)]   # batch 1, as timed
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    open_ = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured_close=False,
+                            structured=sp.structured) for sp in schema]
     modes = {"ar_free": ("ar", None), "ar_schema": ("ar", "schema")}
+    if args.open:
+        modes["ar_schema_open"] = ("ar", "open")
     for k in args.ks:
         modes[f"spec_free_k{k}"] = (f"k{k}", None)
         modes[f"spec_schema_k{k}"] = (f"k{k}", "schema")
@@ -268,7 +277,8 @@ def generate(args) -> dict:
 
     def run(m: str, i: int):
         eng, kind = modes[m]
-        return engines[eng].generate([prompts[i]], schema[i] if kind else free[i], tags=[m])[0]
+        params = {"schema": schema[i], "open": open_[i], None: free[i]}[kind]
+        return engines[eng].generate([prompts[i]], params, tags=[m])[0]
 
     for i in range(len(cases)):   # warm-up: kernels, grammars compiled, and every engine holding every
         for m in modes:           # prompt in its prefix cache (else an engine serving one mode prefills
@@ -299,6 +309,8 @@ def generate(args) -> dict:
                 "coverage": round(cov, 3), "per_repeat": [round(x, 3) for x in rs]}
 
     res: dict = {"modes": {}, "ratios": {"ar_schema/ar_free": ratio("ar_schema", "ar_free")}}
+    if args.open:
+        res["ratios"]["ar_schema/ar_schema_open"] = ratio("ar_schema", "ar_schema_open")
     for k in args.ks:
         res["ratios"][f"spec_schema_k{k}/ar_schema"] = ratio(f"spec_schema_k{k}", "ar_schema")
         res["ratios"][f"spec_free_k{k}/ar_free"] = ratio(f"spec_free_k{k}", "ar_free")
@@ -316,7 +328,15 @@ def generate(args) -> dict:
             row["valid"] = sum(_valid(o.text, c["schema"]) for o, c in zip(outs[m], cases))
             row["valid_rate"] = round(row["valid"] / len(cases), 3)
             row["identical_to_ar_schema"] = [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar_schema"]]
-        else:
+        if kind == "schema":    # outputs whose rows the budget rule narrowed (a replay of each output)
+            e = engines[eng].engine
+            row["closed_by_budget"] = sum(bool(narrowed_positions(
+                e.intake.compile_structured(sp.structured), o.token_ids,
+                min(sp.max_tokens, e.max_model_len - len(p)))) for o, sp, p in zip(outs[m], schema, prompts))
+            if m == "ar_schema" and args.open:
+                row["changed_by_budget"] = sum(a.token_ids != b.token_ids
+                                               for a, b in zip(outs[m], outs["ar_schema_open"]))
+        if not kind:
             row["same_length_as_ar_schema"] = [len(o.token_ids) for o in outs[m]] == [len(o.token_ids)
                                                                                 for o in outs["ar_schema"]]
             row["identical_to_ar_free"] = [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar_free"]]
@@ -336,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="2,4", help="draft lengths of the speculative modes")
     ap.add_argument("--default", action=argparse.BooleanOptionalAction, default=True,
                     help="also the default engine (SpecConfig(): trees, suffix lookup, forced drafts)")
+    ap.add_argument("--open", action=argparse.BooleanOptionalAction, default=True,
+                    help="also ar_schema_open: the schema with structured_close=False (the grammar's mask alone)")
     ap.add_argument("--sections", default="masks,generate")
     ap.add_argument("--schemas", type=int, default=None, help="how many of the schemas (from the first; default: all)")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -130,6 +130,11 @@ class SamplingParams:
     "json_schema", "json_object", "regex", "grammar" (Lark / GBNF), "choice"); every drafted and
     verified position is masked (specrt.structured). The request ends where the grammar does
     (EOS is allowed only there), so it cannot be combined with ignore_eos or min_tokens.
+    structured_close (default True; structured output only): when the tokens left (max_tokens,
+    or the context's end if sooner) only just suffice to finish the structure, the mask is
+    narrowed to tokens that finish it in time (specrt.closing), so the output ends with "stop"
+    and matches its grammar instead of being cut at max_tokens; a grammar that cannot finish in
+    time still ends with "length". False: the mask is the grammar's alone.
     """
 
     temperature: float = 1.0
@@ -150,6 +155,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: object = None          # specrt.structured.Structured (any form Structured.of takes); None: free text
+    structured_close: bool = True      # structured output: steer it to finish within the token budget
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -187,6 +193,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, " (or None: no log-probabilities)")
+        _check_bool("structured_close", self.structured_close)
         if self.structured is not None:
             from specrt.structured import Structured
 

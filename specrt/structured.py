@@ -16,6 +16,10 @@ position is masked as autoregressive decoding would mask it. EOS is allowed only
 may end; once it must end, EOS is the only token allowed. A draft token the grammar refuses ends
 the masking of that request's later rows: the target refuses that draft (probability 0), so no
 row after it is ever read.
+
+Within the token budget: in a request's last tokens (max_tokens, or the context's end) the mask is
+narrowed so that the structure still finishes in time (specrt.closing; off with
+SamplingParams(structured_close=False)): a function of the row's tokens and limit, so exact too.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from specrt.closing import Closer, CloseTokens
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 EXTRA = "pip install 'specrt[structured]'"       # the extra that installs llguidance
@@ -193,13 +199,15 @@ def parser_limits():
 class Grammar:
     """A compiled grammar over one tokenizer; ``matcher()`` gives each request its own matcher."""
 
-    __slots__ = ("structured", "_template", "eos_token_ids", "mask_width")
+    __slots__ = ("structured", "_template", "eos_token_ids", "mask_width", "close_tokens")
 
-    def __init__(self, structured: Structured, template, eos_token_ids: frozenset[int], mask_width: int):
+    def __init__(self, structured: Structured, template, eos_token_ids: frozenset[int], mask_width: int,
+                 close_tokens: CloseTokens | None = None):
         self.structured = structured
         self._template = template
         self.eos_token_ids = eos_token_ids
         self.mask_width = mask_width           # int32 words of a mask row (at least the logits' V bits)
+        self.close_tokens = close_tokens       # the closing walk's tokens (specrt.closing); None: no closing
 
     def matcher(self):
         return self._template.deep_copy()
@@ -217,6 +225,7 @@ class GrammarCompiler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.cache_size = cache_size
         self._ll_tokenizer = None
+        self._close_tokens: CloseTokens | None = None
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
@@ -235,6 +244,13 @@ class GrammarCompiler:
                                      f"{str(e)[:200]}") from None
             return self._ll_tokenizer
 
+    def close_tokens(self, width: int) -> CloseTokens:
+        """The closing walk's token ids in this tokenizer (built once)."""
+        with self._lock:
+            if self._close_tokens is None:
+                self._close_tokens = CloseTokens.of(self.tokenizer, self.eos_token_ids, width)
+            return self._close_tokens
+
     def compile(self, structured: Structured) -> Grammar:
         key = (structured.kind, structured.spec)
         with self._lock:
@@ -249,7 +265,8 @@ class GrammarCompiler:
         if template.is_error():
             raise ValueError(f"structured: invalid {structured.kind.replace('_', ' ')}: "
                              f"{_first_line(template.get_error())}")
-        grammar = Grammar(structured, template, self.eos_token_ids, bitmask_width(lltok.vocab_size))
+        width = bitmask_width(lltok.vocab_size)
+        grammar = Grammar(structured, template, self.eos_token_ids, width, self.close_tokens(width))
         first = np.zeros((1, grammar.mask_width), np.int32)       # the first mask: builds the lexer here too
         GrammarState(grammar, template).fill(first, 0)
         if not first.any():
@@ -272,15 +289,19 @@ class GrammarState:
     """A request's matcher: at its committed output (``committed`` tokens) plus ``ahead``, the draft
     tokens it was last moved over. ``sync`` follows the output (lazily: nothing else has to say
     when tokens are committed, preempted or restored); ``seek`` moves over a row's drafts, reusing
-    the drafts it stands on already (a verify's rows come in order, one more token each)."""
+    the drafts it stands on already (a verify's rows come in order, one more token each).
+    ``limit``: the most output tokens the request may have; given, ``fill`` steers the output to
+    close within it (specrt.closing)."""
 
-    __slots__ = ("grammar", "matcher", "committed", "ahead")
+    __slots__ = ("grammar", "matcher", "committed", "ahead", "closer")
 
-    def __init__(self, grammar: Grammar, matcher=None):
+    def __init__(self, grammar: Grammar, matcher=None, limit: int | None = None):
         self.grammar = grammar
         self.matcher = grammar.matcher() if matcher is None else matcher
         self.committed = 0
         self.ahead: list[int] = []
+        ct = grammar.close_tokens
+        self.closer = Closer(ct, limit, grammar.mask_width) if limit is not None and ct is not None else None
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Move to the committed output; the drafts it stood on that were accepted cost nothing."""
@@ -290,11 +311,15 @@ class GrammarState:
         if n < self.committed:                  # a restored step: start over (rare)
             self.matcher = self.grammar.matcher()
             self.committed, self.ahead = 0, []
+            if self.closer is not None:
+                self.closer.reset()
         new = output_token_ids[self.committed:]
         k = _common_prefix(self.ahead, new)
         self._back(len(self.ahead) - k)
         self.committed += k
         self.ahead = []
+        if self.closer is not None:
+            self.closer.advance(new)
         for t in new[k:]:
             if t in self.grammar.eos_token_ids:   # the request ends here
                 self.committed = n
@@ -332,11 +357,13 @@ class GrammarState:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """The allowed tokens after the current position into bitmask[row] ([W >= mask_width] int32 rows,
-        C-contiguous)."""
+        C-contiguous), narrowed by the budget rule where it applies (specrt.closing)."""
         v = bitmask[row, :self.grammar.mask_width]                  # contiguous: a row's leading words
         self.matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
         if self.matcher.is_error():
             raise ValueError(f"structured: {_first_line(self.matcher.get_error())}")
+        if self.closer is not None:
+            self.closer.narrow(self.matcher, self.ahead, self.committed + len(self.ahead), v)
 
     def _back(self, n: int) -> None:
         if n and not self.matcher.rollback(n):

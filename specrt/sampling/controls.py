@@ -109,7 +109,8 @@ class ControlState:
     __slots__ = ("params", "prompt_tokens", "counts", "seen", "_entries", "_entries_at", "single_bans",
                  "sequence_bans", "allowed", "grammar")
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], grammar: Grammar | None = None):
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], grammar: Grammar | None = None,
+                 max_output: int | None = None):
         self.params = params
         self.prompt_tokens = np.unique(np.asarray(prompt_token_ids, dtype=np.int64))   # sorted, distinct
         self.counts: dict[int, int] = {}
@@ -124,7 +125,10 @@ class ControlState:
         if params.structured is not None and grammar is None:
             raise ValueError("structured: the request's grammar was not compiled (requests are queued through "
                              "LLMEngine.add_request, which compiles it)")
-        self.grammar = GrammarState(grammar) if params.structured is not None else None   # the output's matcher
+        # the output's matcher; closing within the output's limit (max_tokens, or the context's end if sooner)
+        limit = min(params.max_tokens, max_output if max_output is not None else params.max_tokens)
+        self.grammar = GrammarState(grammar, limit=limit if params.structured_close else None) \
+            if params.structured is not None else None
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         if len(output_token_ids) < self.seen:      # cannot happen today; recount rather than guess
@@ -170,5 +174,6 @@ def control_state(r) -> ControlState | None:
     if not r.params.has_logit_controls:
         return None
     if r.controls_state is None:
-        r.controls_state = ControlState(r.params, r.prompt_token_ids, getattr(r, "grammar", None))
+        r.controls_state = ControlState(r.params, r.prompt_token_ids, getattr(r, "grammar", None),
+                                        getattr(r, "max_output", None))
     return r.controls_state

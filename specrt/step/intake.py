@@ -109,4 +109,5 @@ class RequestIntake:
             raise ValueError(f"request_id {request_id!r} is already in use")
         grammar = self.compile_structured(params.structured) if params.structured is not None else None
         return Request(request_id=None if request_id is None else str(request_id), prompt_token_ids=token_ids,
-                       params=params, seed=0, prompt=text, tag=tag, grammar=grammar)
+                       params=params, seed=0, prompt=text, tag=tag, grammar=grammar,
+                       max_output=self.max_model_len - len(token_ids))

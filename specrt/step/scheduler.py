@@ -103,6 +103,7 @@ class Request:
                                           # matched suffix length); the budget policy pools acceptance by it
     controls_state: ControlState | None = None  # history for penalties and bans (specrt.sampling.controls.control_state)
     grammar: Grammar | None = None        # the compiled grammar of params.structured (at intake)
+    max_output: int | None = None         # output tokens the context leaves room for (at intake; None: no bound)
     output_logprobs: list[TokenLogprob] | None = None         # [num_generated] when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [len(prompt)] once computed (prompt_logprobs)
 
