@@ -25,7 +25,7 @@ outputs that validate (jsonschema), speculative == AR token for token, tokens/s,
 per-repeat ratios ar_schema/ar_free, ar_schema/ar_schema_open, spec_schema/ar_schema and
 spec_free/ar_free (median and its interval), acceptance per position with and without the
 schema, and per schema mode the outputs the budget rule narrowed a row of (closed_by_budget;
-specrt.closing.narrowed_positions) and, for ar_schema, how many differ from ar_schema_open.
+specrt.structured.narrowed_positions) and, for ar_schema, how many differ from ar_schema_open.
 Writes one JSON (--out).
 """
 from __future__ import annotations
@@ -237,7 +237,7 @@ def _prompt(tokenizer, case: dict) -> list[int]:
 
 def generate(args) -> dict:
     from specrt import LLM, SamplingParams, SpecConfig
-    from specrt.closing import narrowed_positions
+    from specrt.structured import narrowed_positions
     from specrt.structured import Structured
 
     store: dict = {}

@@ -7,7 +7,7 @@ become too small to finish its structure is steered to finish it, so that it end
                                             of the state: the same walk wherever it is asked for)
     Closer                                  per request (in its GrammarState): the budget rule, walks
                                             memoized along the request's output and drafts
-    narrowed_positions(grammar, ids, limit) a finished output's positions the rule narrowed (reports)
+    (specrt.structured.narrowed_positions replays a finished output to find the rows it narrowed)
 
 The closing walk: from the matcher's state, one step at a time until the grammar accepts: the
 tokens the grammar forces, else the first allowed closer of a fixed list ('""', then closing
@@ -303,22 +303,3 @@ class Closer:
         self.narrowed += 1
         return True
 
-
-def narrowed_positions(grammar, output_token_ids: list[int], limit: int) -> list[int]:
-    """The positions of a finished output whose row the rule narrowed, replayed (the rule is a
-    function of the tokens before a row); for reports (bench.structured)."""
-    from specrt.structured import GrammarState
-
-    st = GrammarState(grammar, limit=limit)
-    row = np.zeros((1, grammar.mask_width), np.int32)
-    out = []
-    for i, t in enumerate(output_token_ids):
-        st.sync(output_token_ids[:i])
-        st.seek([])
-        before = st.closer.narrowed
-        st.fill(row, 0)
-        if st.closer.narrowed > before:
-            out.append(i)
-        if t in grammar.eos_token_ids:
-            break
-    return out

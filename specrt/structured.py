@@ -376,3 +376,21 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while k < n and a[k] == b[k]:
         k += 1
     return k
+
+
+def narrowed_positions(grammar, output_token_ids: list[int], limit: int) -> list[int]:
+    """The positions of a finished output whose row the rule narrowed, replayed (the rule is a
+    function of the tokens before a row); for reports (bench.structured)."""
+    st = GrammarState(grammar, limit=limit)
+    row = np.zeros((1, grammar.mask_width), np.int32)
+    out = []
+    for i, t in enumerate(output_token_ids):
+        st.sync(output_token_ids[:i])
+        st.seek([])
+        before = st.closer.narrowed
+        st.fill(row, 0)
+        if st.closer.narrowed > before:
+            out.append(i)
+        if t in grammar.eos_token_ids:
+            break
+    return out

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     "specrt._C",            # the compiled extension (csrc/)
     "specrt.ops",           # the kernels' Python front, and beside them the pure-torch oracle (ops.reference)
+    "specrt.closing",       # closing a grammar within its token budget (structured masks narrow with it)
     "specrt.structured",    # structured output's records and grammars (SamplingParams validates with them)
     "specrt.config",        # SpecConfig, SamplingParams
     "specrt.observability",  # metrics and the healthy ranges they are judged against

@@ -176,7 +176,7 @@ def test_an_output_changes_only_where_the_rule_narrowed_its_row(ar_greedy, ar_gr
     """narrowed_positions replays an output: where it differs from the grammar-only output, the
     first differing token's row was narrowed; an output no row of which was narrowed is the
     grammar-only one."""
-    from specrt.closing import narrowed_positions
+    from specrt.structured import narrowed_positions
 
     prompts, params = _requests(temperature=0.0)
     intake = llm().engine.intake
@@ -198,7 +198,7 @@ def test_turned_off_is_the_grammar_alone(ar_greedy_open, monkeypatch):
     """structured_close=False: no Closer, the grammar's mask alone: the same outputs as the rule
     made inert (a horizon of 0 tokens), looping to "length" where they did."""
     from specrt import closing
-    from specrt.controls import ControlState
+    from specrt.sampling.controls import ControlState
 
     p = SamplingParams(temperature=0.0, max_tokens=16, structured=NOTE, structured_close=False)
     grammar = llm().engine.intake.compile_structured(p.structured)
