@@ -3,7 +3,7 @@ become too small to finish its structure is steered to finish it, so that it end
 ("stop") and a complete, valid output instead of being cut at max_tokens ("length").
 
     CloseTokens.of(tokenizer, eos, width)   per tokenizer: the token ids the closing walk tries
-    close_walk(matcher, tokens, cap)        a short completion from a matcher's state (a pure function
+    close_walk(matcher, tokens, max_len)    a short completion from a matcher's state (a pure function
                                             of the state: the same walk wherever it is asked for)
     Closer                                  per request (in its GrammarState): the budget rule, walks
                                             memoized along the request's output and drafts
@@ -13,7 +13,7 @@ The closing walk: from the matcher's state, one step at a time until the grammar
 tokens the grammar forces, else the first allowed closer of a fixed list ('""', then closing
 quotes and brackets, longest first), else (inside a lexeme: a patterned string, a bounded
 number) ',', a minimal value ('0', '{}', 'null', 'false', ...) or a one-character token chosen
-by a fixed look-ahead rule, else the allowed token of lowest id; at most ``cap`` tokens (None
+by a fixed look-ahead rule, else the allowed token of lowest id; at most ``max_len`` tokens (None
 beyond, or when stuck). Its length L is the cost to close: an upper bound of the shortest close.
 
 The rule at a row whose output token would be number p (0-based) of at most ``limit`` tokens
@@ -181,15 +181,15 @@ class Walk(NamedTuple):
     steps: tuple[int, ...]
 
 
-def close_walk(matcher, ct: CloseTokens, cap: int, scratch: np.ndarray) -> Walk | None:
+def close_walk(matcher, ct: CloseTokens, max_len: int, scratch: np.ndarray) -> Walk | None:
     """The closing walk from the matcher's state (left as it was): the tokens to an accepting state
-    (none if it accepts already), or None if it takes more than ``cap`` tokens or gets stuck.
+    (none if it accepts already), or None if it takes more than ``max_len`` tokens or gets stuck.
     ``scratch``: a [W] int32 buffer of the mask's width."""
     out: list[int] = []
     steps: list[int] = []
     try:
         while not matcher.is_accepting():
-            if len(out) >= cap or matcher.is_error():
+            if len(out) >= max_len or matcher.is_error():
                 return None
             ts = _step(matcher, ct, scratch)
             if ts is None:
@@ -199,7 +199,7 @@ def close_walk(matcher, ct: CloseTokens, cap: int, scratch: np.ndarray) -> Walk 
             out += ts[:k]
             if k != len(ts):
                 return None
-        return Walk(tuple(out), tuple(steps)) if len(out) <= cap else None
+        return Walk(tuple(out), tuple(steps)) if len(out) <= max_len else None
     finally:
         if out:
             matcher.rollback(len(out))
@@ -216,7 +216,7 @@ class Closer:
     def __init__(self, tokens: CloseTokens, limit: int, width: int):
         self.tokens = tokens
         self.limit = limit                    # the most output tokens the request may have
-        # drafts after the committed output -> (the walk's tokens, or None: none within cap; cap)
+        # drafts after the committed output -> (the walk's tokens, or None: none within max_len; max_len)
         self.memo: dict[tuple[int, ...], tuple[tuple[int, ...] | None, int]] = {}
         self.scratch = np.zeros(width, np.int32)
         self.narrowed = 0                     # rows narrowed (any: draft, verify, rejected)
@@ -230,24 +230,24 @@ class Closer:
     def reset(self) -> None:
         self.memo = {}
 
-    def walk(self, matcher, key: tuple[int, ...], cap: int) -> tuple[int, ...] | None:
-        """The walk (at most ``cap`` tokens, else None) from the matcher, standing after the
+    def walk(self, matcher, key: tuple[int, ...], max_len: int) -> tuple[int, ...] | None:
+        """The walk (at most ``max_len`` tokens, else None) from the matcher, standing after the
         committed output + ``key``."""
         hit = self.memo.get(key)
         if hit is not None:
             w, c = hit
             if w is not None:
-                return w if len(w) <= cap else None
-            if c >= cap:
+                return w if len(w) <= max_len else None
+            if c >= max_len:
                 return None
-        walk = close_walk(matcher, self.tokens, cap, self.scratch)
+        walk = close_walk(matcher, self.tokens, max_len, self.scratch)
         if len(self.memo) > _MEMO_CAP:
             self.memo = {}
         w = None if walk is None else walk.tokens
-        self.memo[key] = (w, cap)
+        self.memo[key] = (w, max_len)
         if walk is not None:                   # its tails: the walks from its later steps' states
             for i in walk.steps[1:] + (len(w),):
-                self.memo.setdefault(key + w[:i], (w[i:], cap))
+                self.memo.setdefault(key + w[:i], (w[i:], max_len))
         return w
 
     def narrow(self, matcher, ahead: list[int], position: int, words: np.ndarray) -> bool:
