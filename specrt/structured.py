@@ -8,10 +8,10 @@ from llguidance (``pip install 'specrt[structured]'``).
                                             time (bounded LRU); the server compiles on its parse pool
     Grammar                                 a compiled grammar: ``matcher()`` is a request's fresh matcher
     GrammarState                            a request's matcher at its committed output, moved over draft
-                                            tokens and back (specrt.controls holds it)
+                                            tokens and back (specrt.sampling.controls holds it)
 
 Exact under speculation: the mask of a row that follows drafts [:o] is the matcher's after those o
-drafts, on draft and target rows alike (specrt.sampling.apply_controls), so every verified
+drafts, on draft and target rows alike (specrt.sampling.transform.apply_controls), so every verified
 position is masked as autoregressive decoding would mask it. EOS is allowed only where the grammar
 may end; once it must end, EOS is the only token allowed. A draft token the grammar refuses ends
 the masking of that request's later rows: the target refuses that draft (probability 0), so no

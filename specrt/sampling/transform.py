@@ -4,7 +4,7 @@ rows), shared by draft and target rows, and the log-probabilities it reports.
 Draft and target rows of a request always get the same parameters and controls (a mismatch
 silently ruins acceptance) and the same ``min_tokens`` EOS mask, so they sample from the same
 constrained distribution. The order of the transform and the exact definitions of the controls
-and of the log-probabilities: specrt.controls.
+and of the log-probabilities: specrt.sampling.controls.
 """
 from __future__ import annotations
 
