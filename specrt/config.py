@@ -130,11 +130,8 @@ class SamplingParams:
     "json_schema", "json_object", "regex", "grammar" (Lark / GBNF), "choice"); every drafted and
     verified position is masked (specrt.structured). The request ends where the grammar does
     (EOS is allowed only there), so it cannot be combined with ignore_eos or min_tokens.
-    structured_close (default True; structured output only): when the tokens left (max_tokens,
-    or the context's end if sooner) only just suffice to finish the structure, the mask is
-    narrowed to tokens that finish it in time (specrt.closing), so the output ends with "stop"
-    and matches its grammar instead of being cut at max_tokens; a grammar that cannot finish in
-    time still ends with "length". False: the mask is the grammar's alone.
+    structured_close (default True): near the token budget the mask narrows to tokens that still
+    finish the structure in time (specrt.closing); False: the grammar's mask alone.
     """
 
     temperature: float = 1.0
