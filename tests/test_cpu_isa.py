@@ -81,3 +81,26 @@ def test_only_cpu_isa_detects():
         found += [f"{path.relative_to(ROOT)}: {m}"
                   for m in re.findall(r"cpuinfo|(?:getenv|environ\.get|environ\[)\(?\s*[\"']SPECRT_\w*ISA", text)]
     assert not found, found
+
+
+def test_one_way_to_target_an_isa():
+    """Wider-ISA code is compiled only inside SPECRT_TARGET_BEGIN(SPECRT_ISA_*) ... SPECRT_TARGET_END regions
+    (csrc/cpu/simd_target.h): no -m flags in the build, no target attributes or pragmas elsewhere, and
+    every source that uses AVX2/AVX-512 intrinsics opens a balanced region of a named ISA set."""
+    found = []
+    for build in ("CMakeLists.txt", "setup.py"):
+        found += [f"{build}: {m}" for m in re.findall(r"-m(?:avx\w*|fma|f16c|arch=\w+)", (ROOT / build).read_text())]
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix not in (".h", ".cpp") or path.name == "simd_target.h":
+            continue
+        text, rel = path.read_text(), path.relative_to(ROOT)
+        found += [f"{rel}: {m}" for m in re.findall(r"target\(\"|GCC target|clang attribute push", text)]
+        begins = re.findall(r"^SPECRT_TARGET_BEGIN\((\w+)\)", text, re.M)
+        ends = re.findall(r"^SPECRT_TARGET_END\b", text, re.M)
+        if len(begins) != len(ends):
+            found.append(f"{rel}: {len(begins)} regions opened, {len(ends)} closed")
+        found += [f"{rel}: unknown ISA set {b}" for b in begins
+                  if b not in ("SPECRT_ISA_AVX2", "SPECRT_ISA_AVX512", "SPECRT_ISA_AVX512_BF16", "SPECRT_ISA_AVX512_VNNI")]
+        if path.suffix == ".cpp" and re.search(r"\b_mm(256|512)_\w+\(", text) and not begins:
+            found.append(f"{rel}: AVX2/AVX-512 intrinsics outside a target region")
+    assert not found, found

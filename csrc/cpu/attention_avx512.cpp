@@ -5,20 +5,44 @@
 // returns the same bits at a cost proportional to the live lanes. On a bf16 cache it reads K and V in
 // place (a bf16 pair per 32-bit element: one transpose per 32 dims). A group of 15-16 lanes on a bf16
 // cache (a K=4 verify of 3 heads per kv head) takes the many-lane tile: wide scores and softmax, narrow
-// p * v. Compiled with the AVX-512 target attribute, called only after the driver's run-time CPU check.
+// p * v. Compiled in a SPECRT_ISA_AVX512 region (simd_target.h), called only after the driver's run-time CPU
+// check.
 #include <cstring>
 
 #include "cpu/attention_tile.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512)
 namespace specrt::attn_cpu {
 namespace {
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// attn::exp2_det on 16 lanes (the same operations, so the same bits).
+inline __m512 exp2_avx512(__m512 x) {
+  const __m512 round = _mm512_set1_ps(12582912.0f);
+  // x < -127 ? -127 : x as one max: VMAXPS returns its second operand when either is NaN
+  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
+  const __m512 t = _mm512_add_ps(xc, round);
+  const __m512 n = _mm512_sub_ps(t, round);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  // (bits(t) - 0x4B400000 + 127) << 23 with the constants folded (wrapping int arithmetic: the same bits)
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127 - 0x4B400000)), 23);
+  // x < -126 ? 0 : p * 2^n as a zero-masked multiply (not-less-than holds for a NaN x, which stays NaN)
+  return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ), p,
+                             _mm512_castsi512_ps(bits));
+}
+
 
 // Transpose 16 x 16 32-bit elements held in r (row i in r[i]); column c ends up in out[c].
-SPECRT_AVX512 inline void transpose16(__m512 (&r)[16], __m512 (&out)[16]) {
+inline void transpose16(__m512 (&r)[16], __m512 (&out)[16]) {
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: (r_i[0], r_i+1[0], r_i[1], r_i+1[1]) / elements 2, 3
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
@@ -42,7 +66,7 @@ SPECRT_AVX512 inline void transpose16(__m512 (&r)[16], __m512 (&out)[16]) {
 }
 
 // Keys j = 0..15 (float rows `stride` apart), dims c .. c+15, as dst[d - c][j] (rows 16 floats apart).
-SPECRT_AVX512 inline void transpose_keys(const float* src, int64_t stride, float* dst) {
+inline void transpose_keys(const float* src, int64_t stride, float* dst) {
   __m512 r[16], out[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * stride);
   transpose16(r, out);
@@ -52,7 +76,7 @@ SPECRT_AVX512 inline void transpose_keys(const float* src, int64_t stride, float
 // The same from bf16 rows read in place, dims c .. c+31: 16 pairs of bf16 per 32-bit element, so one
 // transpose covers 32 dims; a pair's low half is the even dim (<< 16 makes it a float), the high half
 // the odd one (its bits with the low half cleared).
-SPECRT_AVX512 inline void transpose_keys_bf16(const uint16_t* const* rows, int c, float* dst) {
+inline void transpose_keys_bf16(const uint16_t* const* rows, int c, float* dst) {
   __m512 r[16], out[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_castsi512_ps(_mm512_loadu_si512(rows[i] + c));
   transpose16(r, out);
@@ -66,7 +90,7 @@ SPECRT_AVX512 inline void transpose_keys_bf16(const uint16_t* const* rows, int c
 
 // Keys 0..15 of a bf16 cache read in place (rows[j]), dims d0 .. d0+15 (8 bf16 pairs per row): o[p] holds
 // the 16 keys' pair p. Rows k and k + 4 share a register, so one 128-bit lane shuffle ends each column.
-SPECRT_AVX512 inline void transpose_pairs_16x8(const uint16_t* const* rows, int d0, __m512 (&o)[8]) {
+inline void transpose_pairs_16x8(const uint16_t* const* rows, int d0, __m512 (&o)[8]) {
   __m512 r[8], u[8];
   for (int g = 0; g < 2; ++g)
     for (int k = 0; k < 4; ++k) {
@@ -93,7 +117,7 @@ SPECRT_AVX512 inline void transpose_pairs_16x8(const uint16_t* const* rows, int 
 // acc[i][c .. c+CH) = acc * alpha_i, then += p_i[j] * v_j in key order (CH 16-float chunks of D; V from
 // the float tile).
 template <int NL, int CH>
-SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int c,
+inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int c,
                                     float* acc) {
   __m512 o[NL][CH];
   for (int i = 0; i < NL; ++i)
@@ -117,7 +141,7 @@ SPECRT_AVX512 inline void pv_narrow(const Tile& t, const float (*p)[kTileKeys], 
 // p_i[j] is p[i * LS + j * KS]: [lane][key] (LS = kTileKeys, KS = 1) or [key][lane] (1, kLanes).
 // kPrefetch: one prefetch step per key (t.prefetch, as in scores_narrow; prefetch_steps counts them).
 template <int NL, int CH, int LS = kTileKeys, int KS = 1, bool kPrefetch = false>
-SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* alpha, int D, int c, float* acc) {
+inline void pv_pairs(const Tile& t, const float* p, const float* alpha, int D, int c, float* acc) {
   __m512 o[NL][CH][2];
   for (int i = 0; i < NL; ++i)
     for (int x = 0; x < CH; ++x)
@@ -152,7 +176,7 @@ SPECRT_AVX512 inline void pv_pairs(const Tile& t, const float* p, const float* a
 
 // One score step: dim d of keys 0..15 (k0) and 16..31 (k1) into both halves' accumulators.
 template <int NL>
-SPECRT_AVX512 inline void score_step(const LaneGroup& g, int d, int i0, __m512 k0, __m512 k1, __m512 (&a)[2][NL]) {
+inline void score_step(const LaneGroup& g, int d, int i0, __m512 k0, __m512 k1, __m512 (&a)[2][NL]) {
   for (int i = 0; i < NL; ++i) {
     const __m512 qd = _mm512_set1_ps(g.qt[d * kLanes + i0 + i]);
     a[0][i] = _mm512_fmadd_ps(qd, k0, a[0][i]);
@@ -164,7 +188,7 @@ SPECRT_AVX512 inline void score_step(const LaneGroup& g, int d, int i0, __m512 k
 // once per tile and kv head) or, with t.kt null (kDirect, a lone group: keys_in_registers), from the
 // bf16 rows transposed 16 dims at a time in registers, where so few lanes would not repay a stored kt.
 template <int NL, bool kDirect>
-SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D, int i0, int32_t window, bool masked,
+inline void scores_narrow(const Tile& t, const LaneGroup& g, int D, int i0, int32_t window, bool masked,
                                         float (*s)[kTileKeys]) {
   __m512 a[2][NL];
   for (int i = 0; i < NL; ++i) a[0][i] = a[1][i] = _mm512_setzero_ps();
@@ -219,7 +243,7 @@ SPECRT_AVX512 inline void scores_narrow(const Tile& t, const LaneGroup& g, int D
 // accumulators); from a bf16 cache NL <= 8, 32 dims at a time (NL x 2), or 64 up to kFewLanes lanes
 // (NL x 4, enough independent chains to cover the fma latency), issuing the next tile's prefetch as it goes.
 template <int NL, bool kDirect>
-SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
+inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], const float* alpha, int D, int i0,
                                    float* acc) {
   if constexpr (kDirect) {  // 32 dims per pass: NL x 2 accumulators; up to kFewLanes lanes 64 (NL x 4)
     int c = 0;
@@ -238,7 +262,7 @@ SPECRT_AVX512 inline void pv_lanes(const Tile& t, const float (*p)[kTileKeys], c
 // sums in the same order, with 16 keys (scores, p) or 16 head dims (p * v) per vector.
 // kDirect: K and V read in place from a bf16 cache (t.rows; D % 32 == 0), else from t.k / t.v.
 template <int NL, bool kDirect>
-SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[NL][kTileKeys];
   if constexpr (NL <= 8) {  // at most 16 score accumulators per pass (score_passes)
     scores_narrow<NL, kDirect>(t, g, D, 0, window, masked, s);
@@ -296,7 +320,7 @@ SPECRT_AVX512 void tile_narrow(const Tile& t, LaneGroup& g, int D, int32_t windo
 
 // The online-softmax step on scores s [key][lane] (64-byte aligned), lanes along the vector: mask,
 // tile max, g.m / g.l updated, s replaced by p; returns each lane's rescale factor alpha.
-SPECRT_AVX512 inline __m512 softmax_keys(const Tile& t, LaneGroup& g, int32_t window, bool masked, float* s) {
+inline __m512 softmax_keys(const Tile& t, LaneGroup& g, int32_t window, bool masked, float* s) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   if (masked) {
     const __m512i pos = _mm512_loadu_si512(g.pos);
@@ -335,7 +359,7 @@ SPECRT_AVX512 inline __m512 softmax_keys(const Tile& t, LaneGroup& g, int32_t wi
 // shift or and (no transposed tile t.kt; faster where those ops do not compete with the fmas, as on
 // AMD Zen 4); else broadcast from t.kt.
 template <int NL, bool kInPlace>
-SPECRT_AVX512 void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[kTileKeys * kLanes];  // [key][lane]
   Prefetch* const pf = t.prefetch;  // as in scores_narrow
   int seg = pf != nullptr ? pf->s : 0;
@@ -382,7 +406,7 @@ SPECRT_AVX512 void tile_many(const Tile& t, LaneGroup& g, int D, int32_t window,
 // ---------------------------------------------------------------- the 16-lane (wide) tile
 // Scores of NK consecutive keys (independent fma chains over d hide the latency).
 template <int NK>
-SPECRT_AVX512 inline void scores_avx512(const float* k, int64_t stride, const float* qt, int D, float* s) {
+inline void scores_avx512(const float* k, int64_t stride, const float* qt, int D, float* s) {
   __m512 a[NK];
   for (int j = 0; j < NK; ++j) a[j] = _mm512_setzero_ps();
   for (int d = 0; d < D; ++d) {
@@ -394,7 +418,7 @@ SPECRT_AVX512 inline void scores_avx512(const float* k, int64_t stride, const fl
 
 // acc rows d0 .. d0+R-1 += p_j * v_j[d] over the tile's keys (accumulators stay in registers).
 template <int R>
-SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha, int D, int d0, float* acc) {
+inline void pv_avx512(const Tile& t, const float* s, __m512 alpha, int D, int d0, float* acc) {
   __m512 o[R];
   for (int r = 0; r < R; ++r) o[r] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + r) * kLanes), alpha);
   for (int j = 0; j < t.n; ++j) {
@@ -407,7 +431,7 @@ SPECRT_AVX512 inline void pv_avx512(const Tile& t, const float* s, __m512 alpha,
 
 // ---------------------------------------------------------------- the narrow tile's entry
 template <bool kDirect, bool kKeysInPlace = false>
-SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   static_assert(kManyLanes == 15, "the many-lane tile is instantiated for 15 and 16 lanes");
   if constexpr (kDirect) {  // 15 or 16 lanes: the many-lane tile (with fewer it is slower than the narrow one)
     if (g.live == 15) return tile_many<15, kKeysInPlace>(t, g, D, window, masked);
@@ -433,14 +457,10 @@ SPECRT_AVX512 void narrow_avx512(const Tile& t, LaneGroup& g, int D, int32_t win
   }
 }
 
-#pragma GCC diagnostic pop
 
 }  // namespace
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-SPECRT_AVX512 void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   alignas(64) float s[kTileKeys * kLanes];
   int j = 0;
   for (; j + 8 <= t.n; j += 8) scores_avx512<8>(t.k + j * t.stride, t.stride, g.qt, D, s + j * kLanes);
@@ -451,7 +471,7 @@ SPECRT_AVX512 void tile_avx512(const Tile& t, LaneGroup& g, int D, int32_t windo
   for (; d < D; ++d) pv_avx512<1>(t, s, alpha, D, d, g.acc);
 }
 
-SPECRT_AVX512 void convert_avx512(const void* src, int kind, int64_t n, float* dst) {
+void convert_avx512(const void* src, int kind, int64_t n, float* dst) {
   if (kind == kF32) {
     std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
     return;
@@ -466,7 +486,6 @@ SPECRT_AVX512 void convert_avx512(const void* src, int kind, int64_t n, float* d
   }
   for (; i < n; ++i) dst[i] = kind == kBF16 ? attn::bf16_bits_to_float(h[i]) : attn::half_bits_to_float(h[i]);
 }
-#pragma GCC diagnostic pop
 
 void transpose_tile_avx512(const Tile& t, int D, bool direct) {
   for (int b = 0; b < 2; ++b) {  // keys 16 b .. 16 b + 15 as [D][16] (rows past t.n: stale, never used)
@@ -489,3 +508,4 @@ void narrow_avx512_bf16_keys(const Tile& t, LaneGroup& g, int D, int32_t window,
 }
 
 }  // namespace specrt::attn_cpu
+SPECRT_TARGET_END

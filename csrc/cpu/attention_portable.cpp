@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "cpu/attention_tile.h"
+#include "cpu/simd_target.h"
 
 namespace specrt::attn_cpu {
 namespace {
@@ -103,20 +104,23 @@ void combine_baseline(const float* part, int64_t chunks, int64_t stride, int D, 
 }
 void convert_baseline(const void* src, int kind, int64_t n, float* dst) { convert_portable(src, kind, n, dst); }
 
-#define SPECRT_AVX2 __attribute__((target("avx2,fma,f16c")))
-SPECRT_AVX2 void tile_avx2(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX2)
+void tile_avx2(const Tile& t, LaneGroup& g, int D, int32_t window, bool masked) {
   tile_portable(t, g, D, window, masked);
 }
-SPECRT_AVX2 void combine_avx2(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
+void combine_avx2(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
   combine_portable(part, chunks, stride, D, a, out);
 }
-SPECRT_AVX2 void convert_avx2(const void* src, int kind, int64_t n, float* dst) {
+void convert_avx2(const void* src, int kind, int64_t n, float* dst) {
   convert_portable(src, kind, n, dst);
 }
+SPECRT_TARGET_END
 
 // With AVX-512 the tiles and the conversion are attention_avx512.cpp's; the combine is this code.
-SPECRT_AVX512 void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512)
+void combine_avx512(const float* part, int64_t chunks, int64_t stride, int D, float* a, float* out) {
   combine_portable(part, chunks, stride, D, a, out);
 }
+SPECRT_TARGET_END
 
 }  // namespace specrt::attn_cpu

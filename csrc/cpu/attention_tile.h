@@ -1,6 +1,6 @@
 // csrc/cpu/attention_tile.h — what the CPU paged-attention driver (attention_cpu.cpp) and its
-// tiles (attention_avx512.cpp, attention_portable.cpp) share: a lane group's state, a tile of keys, and the
-// vector exp2 of specrt/attention.h. Internal to the CPU kernel.
+// tiles (attention_avx512.cpp, attention_portable.cpp) share: a lane group's state and a tile of keys.
+// Internal to the CPU kernel.
 #pragma once
 
 #include <immintrin.h>
@@ -129,37 +129,6 @@ inline bool keys_in_registers(int64_t groups, int live, bool direct) {
 
 // max(a, b) as AVX-512 / the CUDA kernel compute it (a > b ? a : b).
 inline float max_f(float a, float b) { return a > b ? a : b; }
-
-#define SPECRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
-
-// GCC 12's intrinsic headers trip its own -Wuninitialized (_mm512_undefined_*): silence it here.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// attn::exp2_det on 16 lanes (the same operations, so the same bits).
-SPECRT_AVX512 inline __m512 exp2_avx512(__m512 x) {
-  const __m512 round = _mm512_set1_ps(12582912.0f);
-  // x < -127 ? -127 : x as one max: VMAXPS returns its second operand when either is NaN
-  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-127.0f), x);
-  const __m512 t = _mm512_add_ps(xc, round);
-  const __m512 n = _mm512_sub_ps(t, round);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  // (bits(t) - 0x4B400000 + 127) << 23 with the constants folded (wrapping int arithmetic: the same bits)
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(127 - 0x4B400000)), 23);
-  // x < -126 ? 0 : p * 2^n as a zero-masked multiply (not-less-than holds for a NaN x, which stays NaN)
-  return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ), p,
-                             _mm512_castsi512_ps(bits));
-}
-#pragma GCC diagnostic pop
 
 // The portable tile, combine and conversion (attention_portable.cpp), for the baseline ISA and AVX2+FMA;
 // the combine also for AVX-512 (all return the same bits). A combine merges one lane's chunk partials

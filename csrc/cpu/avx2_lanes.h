@@ -1,7 +1,7 @@
 // csrc/cpu/avx2_lanes.h — 16 fp32 lanes as two AVX2 registers: the lane arithmetic and
 // the fixed 16 -> 1 reduction tree (linear_kernel.h) shared by linear_avx2.cpp and
 // fused_avx2.cpp. Included inside their per-ISA anonymous namespace, after
-// <immintrin.h>, in files compiled with -mavx2 -mfma (each gets its own internal copy,
+// <immintrin.h>, inside their SPECRT_ISA_AVX2 region (each gets its own internal copy,
 // so no AVX2 code can be picked by the linker for another ISA).
 
 struct V {

@@ -1,10 +1,12 @@
 // The fused decoder kernels on AVX2 + FMA: 16 fp32 lanes as two 8-lane registers,
 // the same operations in the same order as every other ISA (fused_rows.h).
-// Compiled with those ISA flags; called after a run-time CPU check.
+// Compiled in a SPECRT_ISA_AVX2 region (simd_target.h); called after a run-time CPU check.
 #include <immintrin.h>
 
 #include "cpu/fused_kernel.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX2)
 namespace specrt::fused {
 namespace avx2_isa {
 namespace {
@@ -83,3 +85,4 @@ void silu_mul_rows_avx2(const SiluMulProblem& p, int64_t t0, int64_t t1) { avx2_
 void rotary_rows_avx2(const RotaryProblem& p, int64_t t0, int64_t t1) { avx2_isa::run_rotary(p, t0, t1); }
 
 }  // namespace specrt::fused
+SPECRT_TARGET_END

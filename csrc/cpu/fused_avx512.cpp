@@ -1,10 +1,12 @@
 // The fused decoder kernels on AVX-512 (F/BW/VL/DQ): one 16-lane register per V.
-// Compiled with those ISA flags (CMakeLists.txt) and only called after a run-time
-// CPU check (cpu_isa.h); no torch or standard-library headers here.
+// Compiled in a SPECRT_ISA_AVX512 region (simd_target.h) and only called after a run-time
+// CPU check (cpu_isa.h).
 #include <immintrin.h>
 
 #include "cpu/fused_kernel.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512)
 namespace specrt::fused {
 namespace avx512_isa {
 namespace {
@@ -60,3 +62,4 @@ void silu_mul_rows_avx512(const SiluMulProblem& p, int64_t t0, int64_t t1) { avx
 void rotary_rows_avx512(const RotaryProblem& p, int64_t t0, int64_t t1) { avx512_isa::run_rotary(p, t0, t1); }
 
 }  // namespace specrt::fused
+SPECRT_TARGET_END

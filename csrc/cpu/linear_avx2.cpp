@@ -1,10 +1,12 @@
 // The small-M linear kernel on AVX2 + FMA + F16C: 16 fp32 lanes as two 8-lane
 // registers, the same operations in the same order as every other ISA
-// (linear_kernel.h). Compiled with those ISA flags; called after a run-time check.
+// (linear_kernel.h). Compiled in a SPECRT_ISA_AVX2 region; called after a run-time check.
 #include <immintrin.h>
 
 #include "cpu/linear_kernel.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX2)
 namespace specrt::linear {
 namespace avx2_isa {
 namespace {
@@ -94,3 +96,4 @@ inline V vdp(V acc, const BV& w, const BV& x) { return vfma(w.even, x.even, vfma
 void linear_rows_avx2(const Problem& p, int64_t n0, int64_t n1) { avx2_isa::run_problem(p, n0, n1); }
 
 }  // namespace specrt::linear
+SPECRT_TARGET_END

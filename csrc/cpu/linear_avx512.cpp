@@ -1,12 +1,12 @@
-// The small-M linear kernel on AVX-512 (F/BW/VL + FMA + F16C). This file is compiled
-// with those ISA flags (CMakeLists.txt) and only called after a run-time CPU check;
-// it includes no torch or standard-library headers (no shared inline code that the
-// linker could pick for a CPU without AVX-512). bf16 x bf16 is emulated here in the
+// The small-M linear kernel on AVX-512 (F/BW/VL + FMA + F16C). Compiled in a
+// SPECRT_ISA_AVX512 region (simd_target.h) and only called after a run-time CPU check. bf16 x bf16 is emulated here in the
 // vdpbf16ps order; linear_avx512bf16.cpp runs it natively.
 #include <immintrin.h>
 
 #include "cpu/linear_kernel.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512)
 namespace specrt::linear {
 namespace avx512_isa {
 namespace {
@@ -72,3 +72,4 @@ inline V vdp(V acc, const BV& w, const BV& x) {
 void linear_rows_avx512(const Problem& p, int64_t n0, int64_t n1) { avx512_isa::run_problem(p, n0, n1); }
 
 }  // namespace specrt::linear
+SPECRT_TARGET_END

@@ -1,10 +1,12 @@
 // bf16 x bf16 on AVX512-BF16: vdpbf16ps (two bf16 products per fp32 lane per
 // instruction, the order linear_kernel.h fixes). Other weight formats go to the
-// AVX-512 path. Compiled with -mavx512bf16 and only called after a run-time check.
+// AVX-512 path. Compiled in a SPECRT_ISA_AVX512_BF16 region; called after a run-time check.
 #include <immintrin.h>
 
 #include "cpu/linear_kernel.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512_BF16)
 namespace specrt::linear {
 namespace avx512bf16_isa {
 namespace {
@@ -44,3 +46,4 @@ void linear_rows_avx512bf16(const Problem& p, int64_t n0, int64_t n1) {
 }
 
 }  // namespace specrt::linear
+SPECRT_TARGET_END

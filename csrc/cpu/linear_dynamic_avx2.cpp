@@ -5,15 +5,17 @@
 //   q4: vpmaddubsw(nibble, xq) pairs (|.| <= 2*15*127), 8 steps summed in int16 (<= 30,480), then one
 //       vpmaddwd by ones; int8 / q8_0: vpmaddubsw(|w|, sign(xq, w)) (|.| <= 2*128*127, exact for
 //       w = -128 too), widened with vpmaddwd per step.
-// Both give P_g exactly, so the bits equal the portable and VNNI paths'. Compiled with
-// -mavx2 -mfma -mf16c and only called after a run-time CPU check.
+// Both give P_g exactly, so the bits equal the portable and VNNI paths'. Compiled in a
+// SPECRT_ISA_AVX2 region (simd_target.h) and only called after a run-time CPU check.
 #include <immintrin.h>
 
 #include <cstring>
 #include <utility>
 
 #include "cpu/linear_dynamic.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX2)
 namespace specrt::linear {
 namespace {
 
@@ -270,3 +272,4 @@ void dynamic_rows_avx2(const DynProblem& p, int64_t n0, int64_t n1) {
 }
 
 }  // namespace specrt::linear
+SPECRT_TARGET_END

@@ -2,14 +2,16 @@
 // linear_dynamic.h fixes: lane l of a 16-lane vector owns block 16 s + l of super-block s, so 8
 // vpdpbusd (4 bytes per lane each) fill the 32 products of 16 blocks in int32 before one convert
 // and one or two FMAs per lane-block. A weight row's super-block (interleaved at load) is unpacked
-// once into 8 registers and used by every x row of the tile. Compiled with those ISA flags and only
-// called after a run-time CPU check.
+// once into 8 registers and used by every x row of the tile. Compiled in a SPECRT_ISA_AVX512_VNNI
+// region (simd_target.h) and only called after a run-time CPU check.
 #include <immintrin.h>
 
 #include <utility>
 
 #include "cpu/linear_dynamic.h"
+#include "cpu/simd_target.h"
 
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512_VNNI)
 namespace specrt::linear {
 namespace {
 
@@ -229,3 +231,4 @@ void dynamic_rows_avx512vnni(const DynProblem& p, int64_t n0, int64_t n1) {
 }
 
 }  // namespace specrt::linear
+SPECRT_TARGET_END

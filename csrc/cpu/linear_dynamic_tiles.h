@@ -1,7 +1,7 @@
 // csrc/cpu/linear_dynamic_tiles.h — what the SIMD int8-activation paths share
 // (linear_dynamic_avx2.cpp, linear_dynamic_avx512vnni.cpp): the output store and the tiling driver.
 // Included inside each file's anonymous namespace (after linear_dynamic.h and <utility>), so each
-// ISA gets its own internal copy compiled with its own flags (no cross-ISA inline merging).
+// ISA gets its own internal copy compiled in its own target region (no cross-ISA inline merging).
 // Tile<kKind, NR, MR>::run(p, n, m0) computes weight rows n..n+NR-1 for x rows m0..m0+MR-1; a
 // row's result never depends on the tile it was computed in.
 

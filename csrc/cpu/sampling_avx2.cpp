@@ -12,7 +12,7 @@
 #include "cpu/simd_target.h"
 
 #if SPECRT_X86_SIMD
-SPECRT_TARGET_AVX2_BEGIN
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX2)
 namespace specrt {
 namespace avx2 {
 

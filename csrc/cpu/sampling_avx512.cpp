@@ -11,7 +11,7 @@
 #include "cpu/simd_target.h"
 
 #if SPECRT_X86_SIMD
-SPECRT_TARGET_AVX512_BEGIN
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512)
 namespace specrt {
 namespace avx512 {
 

@@ -1,29 +1,32 @@
-// csrc/cpu/simd_target.h — open and close a region of code compiled for an
-// instruction set the build does not assume (no -march flags: the kernels pick
-// a path at run time, csrc/cpu/cpu_isa.h). Include every header BEFORE opening
-// a region, so that no shared inline function is compiled for the wider ISA.
+// csrc/cpu/simd_target.h — the one way a CPU kernel is compiled for an instruction set the build
+// does not assume (no -m or -march flags anywhere: the kernels pick a path at run time,
+// csrc/cpu/cpu_isa.h). Code between SPECRT_TARGET_BEGIN(isa) and SPECRT_TARGET_END is compiled
+// for `isa`, one of the sets below (one per cpu_isa level, plus the two optional extensions).
+// Include every header BEFORE opening a region: shared inline code (the standard library, our own
+// headers) then stays at the baseline ISA, so the linker can never keep a wider copy of it for a
+// baseline caller, as per-file -m flags would allow. Per-ISA code textually included inside a
+// region (avx2_lanes.h, linear_tiles.h, ...) sits in an anonymous namespace of its own.
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define SPECRT_X86_SIMD 1
+
+// The sets, matching cpu_isa.h's levels: kAvx2 = AVX2 + FMA + F16C; kAvx512 adds F/BW/VL/DQ.
+#define SPECRT_ISA_AVX2 "avx2,fma,f16c"
+#define SPECRT_ISA_AVX512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"
+#define SPECRT_ISA_AVX512_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"
+#define SPECRT_ISA_AVX512_VNNI "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
+
+#define SPECRT_PRAGMA(...) _Pragma(#__VA_ARGS__)
 #if defined(__clang__)
-#define SPECRT_TARGET_AVX2_BEGIN \
-  _Pragma("clang attribute push(__attribute__((target(\"avx2\"))), apply_to = function)")
-#define SPECRT_TARGET_AVX512_BEGIN                                                                       \
-  _Pragma(                                                                                               \
-      "clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512dq\"))), " \
-      "apply_to = function)")
+#define SPECRT_TARGET_BEGIN(isa) SPECRT_PRAGMA(clang attribute push(__attribute__((target(isa))), apply_to = function))
 #define SPECRT_TARGET_END _Pragma("clang attribute pop")
 #else
-// GCC 12's intrinsic headers trip -Wmaybe-uninitialized (_mm512_undefined_*).
-#define SPECRT_GCC_QUIET \
-  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") \
-      _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
-#define SPECRT_TARGET_AVX2_BEGIN \
-  SPECRT_GCC_QUIET _Pragma("GCC push_options") _Pragma("GCC target(\"avx2\")")
-#define SPECRT_TARGET_AVX512_BEGIN \
-  SPECRT_GCC_QUIET _Pragma("GCC push_options")  \
-      _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq\")")
+// GCC 12's intrinsic headers trip -Wmaybe-uninitialized (_mm512_undefined_*): quiet inside regions.
+#define SPECRT_TARGET_BEGIN(isa)                                                             \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"")     \
+      _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"") _Pragma("GCC push_options") \
+          SPECRT_PRAGMA(GCC target(isa))
 #define SPECRT_TARGET_END _Pragma("GCC pop_options") _Pragma("GCC diagnostic pop")
 #endif
 #else

@@ -30,7 +30,7 @@ namespace tree_scalar {
 }  // namespace specrt
 
 #if SPECRT_X86_SIMD
-SPECRT_TARGET_AVX2_BEGIN
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX2)
 namespace specrt {
 namespace tree_avx2 {
 #include "cpu/tree_rows.h"
@@ -38,7 +38,7 @@ namespace tree_avx2 {
 }  // namespace specrt
 SPECRT_TARGET_END
 
-SPECRT_TARGET_AVX512_BEGIN
+SPECRT_TARGET_BEGIN(SPECRT_ISA_AVX512)
 namespace specrt {
 namespace tree_avx512 {
 #include "cpu/tree_rows.h"
