@@ -131,7 +131,7 @@ class SamplingParams:
     verified position is masked (specrt.structured). The request ends where the grammar does
     (EOS is allowed only there), so it cannot be combined with ignore_eos or min_tokens.
     structured_close (default True): near the token budget the mask narrows to tokens that still
-    finish the structure in time (specrt.closing); False: the grammar's mask alone.
+    finish the structure in time (specrt.structured.closing); False: the grammar's mask alone.
     """
 
     temperature: float = 1.0

@@ -1,4 +1,4 @@
-"""Structured output closed within its token budget (issue 36, specrt.closing).
+"""Structured output closed within its token budget (issue 36, specrt.structured.closing).
 
 On the built-in pair (its byte-level BPE tokenizer is one llguidance reads; the tiny model loops
 inside strings and arrays, as SmolLM2 does on a few bench schemas):
@@ -33,7 +33,7 @@ from _stats import P_PASS  # noqa: E402
 
 import specrt  # noqa: E402
 from specrt import SamplingParams, SpecConfig  # noqa: E402
-from specrt.closing import close_walk  # noqa: E402
+from specrt.structured.closing import close_walk  # noqa: E402
 from specrt.structured import GrammarCompiler, Structured  # noqa: E402
 
 NOTE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"],
@@ -197,7 +197,7 @@ def test_an_output_changes_only_where_the_rule_narrowed_its_row(ar_greedy, ar_gr
 def test_turned_off_is_the_grammar_alone(ar_greedy_open, monkeypatch):
     """structured_close=False: no Closer, the grammar's mask alone: the same outputs as the rule
     made inert (a horizon of 0 tokens), looping to "length" where they did."""
-    from specrt import closing
+    from specrt.structured import closing
     from specrt.sampling.controls import ControlState
 
     p = SamplingParams(temperature=0.0, max_tokens=16, structured=NOTE, structured_close=False)

@@ -18,7 +18,7 @@ the masking of that request's later rows: the target refuses that draft (probabi
 row after it is ever read.
 
 Within the token budget: in a request's last tokens (max_tokens, or the context's end) the mask is
-narrowed so that the structure still finishes in time (specrt.closing; off with
+narrowed so that the structure still finishes in time (specrt.structured.closing; off with
 SamplingParams(structured_close=False)): a function of the row's tokens and limit, so exact too.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.closing import Closer, CloseTokens
+from specrt.structured.closing import Closer, CloseTokens
 
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 EXTRA = "pip install 'specrt[structured]'"       # the extra that installs llguidance
@@ -207,7 +207,7 @@ class Grammar:
         self._template = template
         self.eos_token_ids = eos_token_ids
         self.mask_width = mask_width           # int32 words of a mask row (at least the logits' V bits)
-        self.close_tokens = close_tokens       # the closing walk's tokens (specrt.closing); None: no closing
+        self.close_tokens = close_tokens       # the closing walk's tokens (specrt.structured.closing); None: no closing
 
     def matcher(self):
         return self._template.deep_copy()
@@ -291,7 +291,7 @@ class GrammarState:
     when tokens are committed, preempted or restored); ``seek`` moves over a row's drafts, reusing
     the drafts it stands on already (a verify's rows come in order, one more token each).
     ``limit``: the most output tokens the request may have; given, ``fill`` steers the output to
-    close within it (specrt.closing)."""
+    close within it (specrt.structured.closing)."""
 
     __slots__ = ("grammar", "matcher", "committed", "ahead", "closer")
 
@@ -357,7 +357,7 @@ class GrammarState:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """The allowed tokens after the current position into bitmask[row] ([W >= mask_width] int32 rows,
-        C-contiguous), narrowed by the budget rule where it applies (specrt.closing)."""
+        C-contiguous), narrowed by the budget rule where it applies (specrt.structured.closing)."""
         v = bitmask[row, :self.grammar.mask_width]                  # contiguous: a row's leading words
         self.matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
         if self.matcher.is_error():
