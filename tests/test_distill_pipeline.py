@@ -356,3 +356,21 @@ def test_warm_start_copies_a_drafts_layers_and_refuses_another_kind(tmp_path, ta
     assert fresh.draft_to_target.shape == (512,)
     with pytest.raises(ValueError, match="cannot start a layers draft"):
         warm_start(init_draft(target, "layers", [0, 5], vocab), str(tmp_path / "src"))
+
+
+@needs_builtin
+def test_vocab_init_continues_a_draft_with_its_head_unchanged(tmp_path, target, vocab):
+    """--vocab init keeps --init-from's vocabulary (a continuation on other data must not move the
+    head); without --init-from it is an error naming the flag."""
+    from specrt.training.distill import main
+    src = init_draft(target, "feature", [5], vocab)
+    src.save_pretrained(tmp_path / "src", dtype=torch.float32)
+    out = tmp_path / "draft"
+    args = ["--target", "builtin", "--out", str(out), "--arch", "feature", "--num-prompts", "4",
+            "--gen-batch", "4", "--max-new-tokens", "8", "--heldout-prompts", "0", "--steps", "1",
+            "--batch-tokens", "128", "--vocab", "init", "--threads", "1"]
+    assert main(args + ["--init-from", str(tmp_path / "src")]) == 0
+    d = DraftModel.from_pretrained(out, target)
+    assert torch.equal(d.draft_to_target, src.draft_to_target)
+    with pytest.raises(ValueError, match="--init-from"):
+        main(args + ["--work", str(tmp_path / "w2")])

@@ -177,7 +177,7 @@ def run(args, log=print) -> dict:
     from specrt.models.draft_model import DraftModel
     from specrt.training.draft_eval import chain_acceptance
     from specrt.training.draft_train import TrainConfig, init_draft, train_draft
-    from specrt.training.vocab import build_reduced_vocab, token_counts
+    from specrt.training.vocab import ReducedVocab, build_reduced_vocab, token_counts
 
     torch.set_num_threads(args.threads)
     src = resolve_target(args.target)
@@ -192,8 +192,15 @@ def run(args, log=print) -> dict:
                           for s in range(store.num_sequences)])
     produced = store.token_ids[gen_mask] if gen_mask.numel() else store.token_ids
     counts = token_counts(produced, target.config.vocab_size) + store.teacher_mass(target.config.vocab_size)
-    n = choose_vocab_size(counts, args.vocab)
-    vocab = build_reduced_vocab(counts, n, always=tokenizer.eos_token_ids)
+    if args.vocab == "init":    # continue a draft on new data with its head unchanged
+        if not args.init_from:
+            raise ValueError("--vocab init needs --init-from (the draft whose vocabulary is kept)")
+        vocab = ReducedVocab.from_map(DraftModel.from_pretrained(args.init_from, None).draft_to_target,
+                                      target.config.vocab_size)
+        n = vocab.size
+    else:
+        n = choose_vocab_size(counts, args.vocab)
+        vocab = build_reduced_vocab(counts, n, always=tokenizer.eos_token_ids)
     log(f"data: {store.num_sequences} sequences, {store.token_ids.numel()} positions ({produced.numel()} produced "
         f"by the target) in {data_s:.0f}s; draft vocabulary {n} covers {vocab.coverage(produced):.4f} of them")
 
@@ -312,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", default="0,0.7,1.0,0", help="on-policy sampling temperatures (cycled)")
     ap.add_argument("--gen-batch", type=int, default=128, help="sequences generated together")
     ap.add_argument("--topk", type=int, default=32, help="teacher log-probabilities stored per position")
-    ap.add_argument("--vocab", default="auto", help="draft vocabulary size N, or auto")
+    ap.add_argument("--vocab", default="auto",
+                    help="draft vocabulary size N; auto (the smallest size covering 98%% of the data's "
+                         "tokens); or init (--init-from's vocabulary, unchanged)")
     ap.add_argument("--steps", type=int, default=2000,
                     help="optimizer steps; the learning-rate schedule spans them (with --budget-min, whichever "
                          "ends first)")
