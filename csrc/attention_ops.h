@@ -3,7 +3,7 @@
 // csrc/cuda/attention_cuda.cu, math in csrc/include/specrt/attention.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 #include <cstdint>
 #include <optional>

@@ -1,13 +1,18 @@
 // The pybind11 module specrt._C: importing it loads this library, whose static initializers
 // register every torch op (csrc/sampling_ops.cpp, tree_ops.cpp, kv_ops.cpp, attention_ops.cpp,
 // linear_ops.cpp, fused_ops.cpp, penalties_ops.cpp). What it binds are not tensor ops.
-#include <torch/extension.h>
+// pybind11 and c10's checks only: <torch/extension.h> (the whole C++ frontend) doubled this file's compile time.
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "cpu/thread_pool.h"
 #include "specrt/philox.h"
+
+namespace py = pybind11;
 
 namespace specrt {
 void bind_layer_stack(pybind11::module_& m);   // csrc/layer_stack.cpp

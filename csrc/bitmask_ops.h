@@ -8,7 +8,7 @@
 // bits past V are never read.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 #include <cstdint>
 

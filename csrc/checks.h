@@ -8,7 +8,7 @@
 // device->host sync.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 #include <string>
 

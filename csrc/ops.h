@@ -14,7 +14,7 @@
 // paths share one allocation policy.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 #include <optional>
 #include <string>

@@ -13,7 +13,7 @@
 // increasing, each with its generated count, an in-prompt flag and a bias.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 #include <cstdint>
 

@@ -8,7 +8,7 @@
 //                                       -log_det(u) on the path in use (tests)
 #include "cpu/cpu_isa.h"
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 

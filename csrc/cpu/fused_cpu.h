@@ -4,7 +4,7 @@
 // unit stride in the last dim, and slot values in range.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 namespace specrt {
 

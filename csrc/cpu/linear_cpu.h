@@ -5,7 +5,7 @@
 // undefined; every tensor on the CPU.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "aten_min.h"
 
 #include <string>
 #include <vector>
