@@ -196,7 +196,8 @@ def _report(engines: dict, med: dict, outs: dict, named: list, args) -> int:
               + ("" if same or not exact else "   (NOT token-identical!)"))
     if exact:
         print(f"\ntoken-identical to autoregressive decoding: {'yes, every mode' if ok else 'NO'}")
-    print("(acceptance per position i: the share of steps whose drafts 0..i were all accepted)")
+    print("(acceptance per position i: of the steps that drafted position i, the share whose drafts 0..i were all\n"
+          " accepted; the draft length varies per step, so a later position can read higher)")
     name, prompt = named[0]
     first = next(k for k in engines if k != ar) if len(engines) > 1 else ar
     shown = prompt if isinstance(prompt, str) else name
