@@ -145,3 +145,21 @@ def test_without_llguidance_a_structured_request_is_a_400_naming_the_extra(srv, 
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "guided_regex" and "pip install 'specrt[structured]'" in err["message"], err
+
+
+def test_structured_close_is_a_request_field(srv, api):
+    """'structured_close' reaches SamplingParams per request: false is the grammar's mask alone, as in
+    the Python API (at 36 tokens the budget rule changes this prompt's output); a non-bool is a 400."""
+    outs = {}
+    for close in (True, False):
+        body = {} if close else {"structured_close": False}
+        got = _post(srv, "/v1/completions", prompt=PROMPT_IDS, max_tokens=36, temperature=0.0, guided_json=SCHEMA,
+                    specrt={"return_token_ids": True}, **body)["choices"][0]
+        want = api.generate([PROMPT_IDS], SamplingParams(temperature=0.0, max_tokens=36, structured_close=close,
+                                                         structured=Structured("json_schema", SCHEMA)))[0]
+        assert got["token_ids"] == want.token_ids
+        outs[close] = got["token_ids"]
+    assert outs[True] != outs[False]
+    r = srv.client.post("/v1/completions", json={"prompt": PROMPT_IDS, "max_tokens": 4, "guided_json": SCHEMA,
+                                                 "structured_close": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_close", r.text

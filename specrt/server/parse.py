@@ -100,7 +100,7 @@ def check_unicode(body) -> None:
 
 
 _CONTROLS = ("temperature", "top_p", "top_k", "min_tokens", "seed", "ignore_eos", "min_p", "repetition_penalty",
-             "presence_penalty", "frequency_penalty", "allowed_token_ids")
+             "presence_penalty", "frequency_penalty", "allowed_token_ids", "structured_close")
 
 
 class ParseCancelled(Exception):

@@ -123,6 +123,9 @@ class _Common(_Strict):
     guided_choice: Optional[list[str]] = Field(None, description="vLLM: the output is one of these strings")
     guided_grammar: Optional[str] = Field(None, description="vLLM: a grammar (Lark, or GBNF / EBNF) the output "
                                                             "matches")
+    structured_close: Optional[bool] = Field(None, description="with structured output: near max_tokens, narrow "
+                                                               "the mask so the structure still finishes in time "
+                                                               "(default true; false: the grammar's mask alone)")
 
     @field_validator("top_k", "max_tokens", "min_tokens", "seed", "n", "top_logprobs", mode="before")
     @classmethod
