@@ -1,5 +1,5 @@
 // csrc/aten_min.h — the ATen the ops' torch glue uses: at::Tensor with its methods, and the two
-// factories it calls. Not <ATen/ATen.h>: every op's declaration, most of a file's compile time.
+// factories it calls; not <ATen/ATen.h>, which declares every op and is slow to compile.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,7 +1,7 @@
 // The pybind11 module specrt._C: importing it loads this library, whose static initializers
 // register every torch op (csrc/sampling_ops.cpp, tree_ops.cpp, kv_ops.cpp, attention_ops.cpp,
 // linear_ops.cpp, fused_ops.cpp, penalties_ops.cpp). What it binds are not tensor ops.
-// pybind11 and c10's checks only: <torch/extension.h> (the whole C++ frontend) doubled this file's compile time.
+// pybind11 and c10's checks only, not <torch/extension.h>: this file binds no tensors.
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -7,7 +7,6 @@
 // its outputs are bit-identical to the op-by-op fused path; Python dispatch and its cache
 // footprint (paid ~270 times per SmolLM2 forward) go away. Built by llama.py at prepare() when
 // every layer qualifies; the Python path still runs prefills and anything else.
-#include <ATen/ATen.h>
 #include <torch/python.h>  // the tensor type casters (not <torch/extension.h>: the whole C++ frontend)
 
 #include <string>

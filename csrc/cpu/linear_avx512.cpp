@@ -1,5 +1,5 @@
-// The small-M linear kernel on AVX-512 (F/BW/VL + FMA + F16C). Compiled in a
-// SPECRT_ISA_AVX512 region (simd_target.h) and only called after a run-time CPU check. bf16 x bf16 is emulated here in the
+// The small-M linear kernel on AVX-512 (F/BW/VL + FMA + F16C), compiled in a SPECRT_ISA_AVX512 region
+// (simd_target.h) and only called after a run-time CPU check. bf16 x bf16 is emulated here in the
 // vdpbf16ps order; linear_avx512bf16.cpp runs it natively.
 #include <immintrin.h>
 
