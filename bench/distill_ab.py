@@ -7,6 +7,7 @@ Modes, all warm-started from the shipped SmolLM2 draft (specrt/builtin/smollm2-d
   single  the single-feature draft trained further (it reads the final-normed block of the data)
   fused   an EAGLE-3 draft over target layers 2, 15 and the final-normed state
   fused2  the same with a second layer that starts as the identity
+``--top1-weight W`` adds W x cross-entropy on the teacher's argmax to the sparse KL (any mode).
 The data must hold features of layers 2,15,30 (``specrt.training.teacher --feature-layers 2,15,30``).
 """
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--top1-weight", type=float, default=0.0, help="weight of the teacher-argmax cross-entropy")
     args = ap.parse_args(argv)
     from specrt.models import load_model
     from specrt.models.draft_model import DraftModel
@@ -76,11 +78,12 @@ def main(argv=None) -> int:
     vocab = ReducedVocab.from_map(DraftModel.from_pretrained(SHIPPED, None).draft_to_target, 49152)
     draft = make_draft(args.mode, target, vocab)
     cfg = TrainConfig(steps=100000, budget_s=args.minutes * 60, lr=3e-4, warmup=10, batch_tokens=2048,
-                      chain_steps=3, eval_every=50)
+                      chain_steps=3, eval_every=50, top1_weight=args.top1_weight)
     res = train_draft(draft, store, vocab, cfg, None, evaluate=lambda m: chain_acceptance(m, held, k=4))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"mode": args.mode, "history": [h for h in res["history"] if "heldout" in h]}, f, indent=1)
+        json.dump({"mode": args.mode, "top1_weight": args.top1_weight,
+                   "history": [h for h in res["history"] if "heldout" in h]}, f, indent=1)
     return 0
 
 

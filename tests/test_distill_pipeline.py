@@ -250,6 +250,22 @@ def test_sparse_kl_is_the_exact_kl_when_nothing_is_truncated():
     torch.testing.assert_close(same, torch.zeros(5), atol=2e-6, rtol=0)
 
 
+def test_sparse_kl_top1_term_is_the_argmax_cross_entropy_where_covered():
+    g = torch.Generator().manual_seed(2)
+    V = 12
+    t_logits, d_logits = torch.randn(6, V, generator=g), torch.randn(6, V, generator=g)
+    lp = torch.log_softmax(t_logits, -1)
+    top4 = lp.topk(4, -1)
+    red = ReducedVocab.from_map(torch.tensor([0, 2, 3, 5, 7, 8, 11]), V)
+    dl = d_logits[:, red.draft_to_target]
+    base = sparse_kl(dl, top4.indices, top4.values, red.target_to_draft)
+    with_top1 = sparse_kl(dl, top4.indices, top4.values, red.target_to_draft, top1_weight=0.5)
+    d = red.target_to_draft[top4.indices[:, 0]]
+    ce = torch.where(d >= 0, -torch.log_softmax(dl, -1).gather(1, d.clamp(min=0)[:, None])[:, 0], torch.zeros(6))
+    assert (d < 0).any() and (d >= 0).any(), "the rows cover both cases"
+    torch.testing.assert_close(with_top1, base + 0.5 * ce, atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- training
 @needs_builtin
 def test_resuming_from_a_checkpoint_continues_identically(tmp_path, target, store, vocab):

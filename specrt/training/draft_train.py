@@ -41,6 +41,7 @@ class TrainConfig:
     batch_tokens: int = 4096      # padded tokens per batch
     chain_steps: int = 3          # feature drafts: draft positions trained along a chain
     step_decay: float = 0.8       # loss weight of chain step j is step_decay**j
+    top1_weight: float = 0.0      # + this x cross-entropy on the teacher's argmax (greedy acceptance's token)
     seed: int = 0
     ckpt_every_s: float = 300.0
     bf16: bool = True             # autocast
@@ -169,11 +170,12 @@ def collate(store: TeacherShard, seqs: list[int], feature: bool) -> Batch:
 
 # ----------------------------------------------------------------------------- loss
 def sparse_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor,
-              target_to_draft: torch.Tensor) -> torch.Tensor:
-    """Per-row KL(teacher || draft) [M] on buckets {top-k tokens the draft covers} + {other}.
+              target_to_draft: torch.Tensor, top1_weight: float = 0.0) -> torch.Tensor:
+    """Per-row KL(teacher || draft) [M] on buckets {top-k tokens the draft covers} + {other};
+    with ``top1_weight`` w, plus w x -log q(teacher's argmax) where the draft covers it.
 
-    logits [M, N] draft; topk_ids [M, k] target ids; topk_logprobs [M, k] (full-vocabulary
-    normalised); target_to_draft [V] (-1 = not in the draft vocabulary)."""
+    logits [M, N] draft; topk_ids [M, k] target ids (descending); topk_logprobs [M, k]
+    (full-vocabulary normalised); target_to_draft [V] (-1 = not in the draft vocabulary)."""
     lq = torch.log_softmax(logits.float(), -1)  # [M, N]
     d = target_to_draft[topk_ids]  # [M, k]
     cov = d >= 0
@@ -182,7 +184,10 @@ def sparse_kl(logits: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch
     p_other = (1.0 - p.sum(-1)).clamp(min=1e-6)
     q_other = (1.0 - (lq_top.exp() * cov).sum(-1)).clamp(min=1e-6)
     kl_top = (p * (topk_logprobs - lq_top)).sum(-1)
-    return kl_top + p_other * (p_other.log() - q_other.log())
+    kl = kl_top + p_other * (p_other.log() - q_other.log())
+    if top1_weight:
+        kl = kl - top1_weight * lq_top[:, 0] * cov[:, 0]
+    return kl
 
 
 def chain_mask(T: int, j: int, device=None) -> torch.Tensor:
@@ -217,9 +222,9 @@ def chain_states(draft: DraftModel, input_ids: torch.Tensor, features: torch.Ten
     return out
 
 
-def batch_loss(draft: DraftModel, batch: Batch, t2d: torch.Tensor, steps: int, decay: float
-               ) -> tuple[torch.Tensor, list[float]]:
-    """Weighted mean sparse KL over chain steps; also each step's mean KL."""
+def batch_loss(draft: DraftModel, batch: Batch, t2d: torch.Tensor, steps: int, decay: float,
+               top1_weight: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """Weighted mean sparse KL (+ top-1 term) over chain steps; also each step's mean."""
     states = chain_states(draft, batch.input_ids, batch.features, steps)
     total, wsum, per_step = 0.0, 0.0, []
     T = batch.input_ids.shape[1]
@@ -228,7 +233,8 @@ def batch_loss(draft: DraftModel, batch: Batch, t2d: torch.Tensor, steps: int, d
         rows = batch.loss_mask & start_ok[None, :]
         if not rows.any():
             continue
-        kl = sparse_kl(draft.logits(h[rows]), batch.topk_ids[rows], batch.topk_logprobs[rows], t2d).mean()
+        kl = sparse_kl(draft.logits(h[rows]), batch.topk_ids[rows], batch.topk_logprobs[rows], t2d,
+                       top1_weight).mean()
         total = total + decay ** j * kl
         wsum += decay ** j
         per_step.append(float(kl.detach()))
@@ -319,7 +325,7 @@ def train_draft(draft: DraftModel, store: TeacherShard, vocab: ReducedVocab, cfg
             g["lr"] = _lr(cfg, step, frac)
         batch = to_device(collate(store, batch_at(batches, step, cfg.seed), feature), dev)
         with torch.autocast(auto, dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss, per_step = batch_loss(draft, batch, t2d, cfg.chain_steps, cfg.step_decay)
+            loss, per_step = batch_loss(draft, batch, t2d, cfg.chain_steps, cfg.step_decay, cfg.top1_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
