@@ -217,6 +217,7 @@ def run(args, log=print) -> dict:
         warm_start(draft, args.init_from, log)
     cfg = TrainConfig(steps=args.steps, budget_s=args.budget_min * 60, lr=args.lr, warmup=args.warmup,
                       batch_tokens=args.batch_tokens, chain_steps=args.chain_steps, seed=args.seed,
+                      top1_weight=args.top1_weight,
                       eval_every=args.eval_every if heldout is not None else 0, device=args.device)
     evaluate = None
     if heldout is not None:
@@ -332,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-tokens", type=int, default=4096,
                     help="padded tokens per training batch (sequences of similar length packed together)")
     ap.add_argument("--chain-steps", type=int, default=3, help="feature drafts: chain positions trained")
+    ap.add_argument("--top1-weight", type=float, default=0.0,
+                    help="add this x cross-entropy on the teacher's argmax to the sparse KL")
     ap.add_argument("--dtype", default="bfloat16", help="the target's dtype for the data pass")
     ap.add_argument("--work", default=None, help="data, teacher shards and checkpoints (default OUT.work)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads for the data pass and training")
