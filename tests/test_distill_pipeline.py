@@ -374,6 +374,18 @@ def test_warm_start_copies_a_drafts_layers_and_refuses_another_kind(tmp_path, ta
         warm_start(init_draft(target, "layers", [0, 5], vocab), str(tmp_path / "src"))
 
 
+def test_draft_depth_defaults():
+    from argparse import Namespace
+
+    from specrt.training.draft_distill import draft_depth
+    assert draft_depth(Namespace(num_layers=None, init_from=None, arch="feature")) == 1
+    assert draft_depth(Namespace(num_layers=None, init_from=None, arch="layers")) == 2
+    assert draft_depth(Namespace(num_layers=3, init_from=None, arch="feature")) == 3
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specrt", "builtin",
+                           "smollm2-draft")
+    assert draft_depth(Namespace(num_layers=None, init_from=shipped, arch="feature")) == 1
+
+
 @needs_builtin
 def test_vocab_init_continues_a_draft_with_its_head_unchanged(tmp_path, target, vocab):
     """--vocab init keeps --init-from's vocabulary (a continuation on other data must not move the
@@ -388,5 +400,6 @@ def test_vocab_init_continues_a_draft_with_its_head_unchanged(tmp_path, target, 
     assert main(args + ["--init-from", str(tmp_path / "src")]) == 0
     d = DraftModel.from_pretrained(out, target)
     assert torch.equal(d.draft_to_target, src.draft_to_target)
+    assert len(d.layers) == len(src.layers) == 1, "without --num-layers the depth follows --init-from"
     with pytest.raises(ValueError, match="--init-from"):
         main(args + ["--work", str(tmp_path / "w2")])

@@ -158,6 +158,18 @@ def heldout_store(args, target, tokenizer, work: str, kind: str, layers, log=pri
     return load_teacher(held_dir)
 
 
+def draft_depth(args) -> int:
+    """--num-layers, or unset: --init-from's depth; else 1 for a feature draft (a second layer did
+    not pay for its cost, docs/benchmarks.md#draft-distillation) and 2 for a layer draft."""
+    if args.num_layers is not None:
+        return args.num_layers
+    if args.init_from:
+        from specrt.models.draft_model import DraftModel
+
+        return len(DraftModel.from_pretrained(args.init_from, None).layers)
+    return 1 if args.arch == "feature" else 2
+
+
 def feature_layers(args, num_layers: int) -> tuple[int, ...] | None:
     """The target layers an EAGLE-3 draft reads (``--feature-layers``): auto = a low, a middle and
     the final-normed state (index num_layers); "final" = the final-normed state alone."""
@@ -204,12 +216,13 @@ def run(args, log=print) -> dict:
     log(f"data: {store.num_sequences} sequences, {store.token_ids.numel()} positions ({produced.numel()} produced "
         f"by the target) in {data_s:.0f}s; draft vocabulary {n} covers {vocab.coverage(produced):.4f} of them")
 
+    depth = draft_depth(args)
     if args.layers != "auto":
         layers = _ints(args.layers)
-    elif args.arch == "feature" and args.num_layers == 1:
+    elif args.arch == "feature" and depth == 1:
         layers = [target.config.num_layers - 1]
     else:
-        layers = choose_layers(target, store, vocab, args.num_layers, log=log)
+        layers = choose_layers(target, store, vocab, depth, log=log)
     target_f32 = target.float()  # trainable copies are made in fp32
     draft = init_draft(target_f32, args.arch, layers, vocab, args.fc_init,
                        feature_layers(args, target.config.num_layers))
@@ -291,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--init-from", default=None,
                     help="continue from an existing draft folder of the same kind (its layers, fc, norm)")
     ap.add_argument("--layers", default="auto", help="target layer indices 'i,j,..' or auto")
-    ap.add_argument("--num-layers", type=int, default=2,
-                    help="draft depth for --layers auto (a 1-layer feature draft starts from the last layer)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="draft depth for --layers auto (a 1-layer feature draft starts from the last layer); "
+                         "default: --init-from's depth, else 1 for feature drafts and 2 for layer drafts")
     ap.add_argument("--feature-layers", default="auto",
                     help="feature drafts (EAGLE-3): target layers 'i,j,..' whose outputs are fused "
                          "(num_layers = the final-normed state); auto = low, middle, final; 'final' = that alone")
