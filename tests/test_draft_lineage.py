@@ -43,7 +43,8 @@ def test_the_last_entry_is_the_draft_shipped_now(history):
     head_blob = _git("rev-parse", f"HEAD:{MODEL}").strip()
     last_blob = _git("rev-parse", f"{LINEAGE['drafts'][-1]['commit']}:{MODEL}").strip()
     assert last_blob == head_blob, (
-        f"the shipped draft changed after {LINEAGE['drafts'][-1]['commit']}: add its commit to bench/draft_lineage.json")
+        f"the shipped draft changed after {LINEAGE['drafts'][-1]['commit']}: "
+        "add its commit to bench/draft_lineage.json")
 
 
 def test_checkout_draft_writes_the_folder(tmp_path, history):
