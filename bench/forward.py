@@ -8,8 +8,8 @@
    buffer far larger than the caches), and read bandwidth.
 2. A SmolLM2-135M-shaped Llama (30 layers, hidden 576, intermediate 1536, 9 heads / 3 KV
    heads, vocab 49152, tied embeddings; random weights) at context ~100, batch 1: the
-   1-token forward and a 5-token verify forward in fp32, bf16, int8 (per row), q8_0, q4_0 and
-   q4_1 (and "-a8": the same with int8 activations, opt-in), with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
+   1-token forward, a 5-token verify and a 16-row (tree-sized) verify forward in fp32, bf16,
+   int8 (per row), q8_0, q4_0 and q4_1 (and "-a8": the same with int8 activations, opt-in), with specrt's small-M kernel and with torch's path (``set_linear_kernel(0)``:
    F.linear; torch's ``_weight_int8pack_mm`` for int8; no torch path for the GGUF formats).
    floor = bytes of the weights a forward streams (every projection + the LM head) / copy GB/s.
    "linears" times just the forward's projections and LM head (the kernels' part of it); "Python
@@ -123,12 +123,13 @@ def streamed_bytes(model: LlamaForCausalLM) -> int:
 
 
 def forward_fns(model: LlamaForCausalLM, context: int) -> dict:
-    """fn(q) running a q-token forward (q = 1 decode, 5 verify) at ``context`` tokens of cache."""
-    per_request = -(-(context + 5) // 16)  # blocks of 16 for the context and a 5-token verify
-    cache = PagedKVCache({"target": model.config}, 2 * per_request, 16, dtype=model.dtype)
+    """fn(q) running a q-token forward (q = 1 decode, 5 a chain verify, 16 the rows of a 16-node tree
+    verify, causal here: a tree's mask changes only the attention) at ``context`` tokens of cache."""
+    per_request = -(-(context + 16) // 16)  # blocks of 16 for the context and a 16-token verify
+    cache = PagedKVCache({"target": model.config}, 3 * per_request, 16, dtype=model.dtype)
     g = torch.Generator().manual_seed(0)
     fns = {}
-    for q in (1, 5):
+    for q in (1, 5, 16):
         rid = f"r{q}"
         prompt = torch.randint(3, model.config.vocab_size, (context,), generator=g).tolist()
         assert cache.allocate(rid, prompt) is not None, f"no KV blocks for a {context}-token context"
@@ -175,7 +176,8 @@ def bench_model(modes, threads_list, repeats: int, context: int, copy_gbs: float
                 fns[q]()
 
             lin1, lin5 = linears_fn(model, 1), linears_fn(model, 5)
-            cases = {"ours1": lambda: run(1, 128), "ours5": lambda: run(5, 128), "lin1": lin1, "lin5": lin5,
+            cases = {"ours1": lambda: run(1, 128), "ours5": lambda: run(5, 128), "ours16": lambda: run(16, 128),
+                     "lin1": lin1, "lin5": lin5,
                      "loop1": lambda: run(1, 128, False), "loop5": lambda: run(5, 128, False)}
             if has_torch:
                 cases.update({"torch1": lambda: run(1, 0), "torch5": lambda: run(5, 0)})
@@ -183,7 +185,7 @@ def bench_model(modes, threads_list, repeats: int, context: int, copy_gbs: float
             model.set_linear_kernel(128)
             model.set_layer_stack(True)
             row = {"mode": mode, "threads": threads, "weight_mb": nbytes / 2**20, "floor_ms": floor_ms,
-                   "ours1_ms": t["ours1"] * 1e3, "ours5_ms": t["ours5"] * 1e3,
+                   "ours1_ms": t["ours1"] * 1e3, "ours5_ms": t["ours5"] * 1e3, "ours16_ms": t["ours16"] * 1e3,
                    "loop1_ms": t["loop1"] * 1e3, "loop5_ms": t["loop5"] * 1e3,
                    "linears1_ms": t["lin1"] * 1e3, "linears5_ms": t["lin5"] * 1e3,
                    "torch1_ms": t["torch1"] * 1e3 if has_torch else None,
@@ -204,15 +206,16 @@ def format_model_row(r: dict) -> str:
     ratio_t = f"{r['torch5_ms'] / r['torch1_ms']:5.2f}" if r["torch1_ms"] else "    -"
     return (f"| {r['mode']:7s} | {r['threads']} | {r['weight_mb']:6.1f} | {r['floor_ms']:6.2f} | {ms(r['ours1_ms'])} "
             f"| {pct(r['ours1_ms'])} | {ms(r['ours5_ms'])} | {r['ours5_ms'] / r['ours1_ms']:5.2f} "
+            f"| {r['ours16_ms'] / r['ours1_ms']:5.2f} "
             f"| {ms(r['loop1_ms'])} | {ms(r['loop5_ms'])} "
             f"| {ms(r['linears1_ms'])} | {pct(r['linears1_ms'])} | {r['linears5_ms'] / r['linears1_ms']:5.2f} "
             f"| {ms(r['torch1_ms'])} | {pct(r['torch1_ms'])} | {ms(r['torch5_ms'])} | {ratio_t} |")
 
 
-MODEL_HEADER = ("| mode | thr | weights MB | floor ms | ours 1-tok ms | % floor | ours 5-tok ms | 5/1 "
+MODEL_HEADER = ("| mode | thr | weights MB | floor ms | ours 1-tok ms | % floor | ours 5-tok ms | 5/1 | 16/1 "
                 "| Python loop 1-tok ms | 5-tok ms "
                 "| linears 1-tok ms | % floor | 5/1 | torch 1-tok ms | % floor | torch 5-tok ms | 5/1 |\n"
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -310,6 +313,8 @@ def print_goals(out: dict) -> None:
                          f"({r['ours1_ms']:.2f} ms)", f"floor {r['floor_ms']:.2f} ms = {r['weight_mb']:.0f} MB / "
                          f"{out['bandwidth']['copy_gbs']:.1f} GB/s"))
             rows.append((f"5-token verify / 1-token, {mode}", "<= 1.15x", f"{r['ours5_ms'] / r['ours1_ms']:.2f}x", ""))
+            rows.append((f"16-row tree verify / 1-token, {mode} (issue 32)", "<= 1.35x",
+                         f"{r['ours16_ms'] / r['ours1_ms']:.2f}x", ""))
     for mode in ("int8", "q8_0", "q4_0", "q4_1", "int8-a8", "q8_0-a8", "q4_0-a8", "q4_1-a8"):
         r = model.get(mode)
         if r:
