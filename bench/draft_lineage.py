@@ -29,19 +29,19 @@ REPO = Path(__file__).resolve().parents[1]
 GOAL_TAU, GOAL_FIRST = 2.6, 0.70  # issue 33's goals at K=4
 
 
-def checkout_draft(commit: str, path: str, dest: str) -> str:
-    """The draft folder ``path`` as of ``commit``, written under ``dest``."""
+def checkout_draft(commit: str, path: str, dest: str, repo: Path = REPO) -> str:
+    """The draft folder ``path`` as of ``commit`` in the checkout ``repo``, written under ``dest``."""
     out = os.path.join(dest, commit)
     os.makedirs(out, exist_ok=True)
-    names = _git("ls-tree", "--name-only", f"{commit}:{path}").decode().split()
+    names = _git(repo, "ls-tree", "--name-only", f"{commit}:{path}").decode().split()
     for name in names:
-        blob = _git("show", f"{commit}:{path}/{name}")
+        blob = _git(repo, "show", f"{commit}:{path}/{name}")
         Path(out, name).write_bytes(blob)
     return out
 
 
-def _git(*args: str) -> bytes:
-    r = subprocess.run(["git", *args], cwd=REPO, capture_output=True)
+def _git(repo: Path, *args: str) -> bytes:
+    r = subprocess.run(["git", *args], cwd=repo, capture_output=True)
     if r.returncode:
         raise SystemExit(f"bench.draft_lineage reads the shipped drafts from git history and needs a source "
                          f"checkout: git {' '.join(args)} failed: {r.stderr.decode().strip()}")

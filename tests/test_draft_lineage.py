@@ -51,7 +51,7 @@ def test_checkout_draft_writes_the_folder(tmp_path, history):
     from bench.draft_lineage import checkout_draft
 
     first = LINEAGE["drafts"][0]["commit"]
-    out = Path(checkout_draft(first, LINEAGE["path"], str(tmp_path)))
+    out = Path(checkout_draft(first, LINEAGE["path"], str(tmp_path), repo=ROOT))  # bench may be the installed one
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["specrt_draft"]["kind"] == "feature"
     assert (out / "model.safetensors").stat().st_size > 1_000_000
