@@ -38,7 +38,8 @@ def test_default_is_the_best_the_cpu_runs():
     isa, level, names, dynamic = _probe()
     if AVX512:
         assert isa == "avx512" and level == (4 if "amd" in FEATURES else 3)
-        assert names[0] == ("avx512bf16" if "avx512bf16" in FEATURES else "avx512")
+        best = "avx512bf16" if "avx512bf16" in FEATURES else "avx512"
+        assert names[0] == ("amx" if best == "avx512bf16" and "amx_bf16" in FEATURES else best)
         assert dynamic == ("avx512vnni" if "avx512vnni" in FEATURES else "avx2")
     elif AVX2:
         assert (isa, level, names[0], dynamic) == ("avx2", 1, "avx2", "avx2")
@@ -86,7 +87,7 @@ def test_only_cpu_isa_detects():
 def test_one_way_to_target_an_isa():
     """Wider-ISA code is compiled only inside SPECRT_TARGET_BEGIN(SPECRT_ISA_*) ... SPECRT_TARGET_END regions
     (csrc/cpu/simd_target.h): no -m flags in the build, no target attributes or pragmas elsewhere, and
-    every source that uses AVX2/AVX-512 intrinsics opens a balanced region of a named ISA set."""
+    every source that uses AVX2/AVX-512/AMX intrinsics opens a balanced region of a named ISA set."""
     found = []
     for build in ("CMakeLists.txt", "setup.py"):
         found += [f"{build}: {m}" for m in re.findall(r"-m(?:avx\w*|fma|f16c|arch=\w+)", (ROOT / build).read_text())]
@@ -100,7 +101,8 @@ def test_one_way_to_target_an_isa():
         if len(begins) != len(ends):
             found.append(f"{rel}: {len(begins)} regions opened, {len(ends)} closed")
         found += [f"{rel}: unknown ISA set {b}" for b in begins
-                  if b not in ("SPECRT_ISA_AVX2", "SPECRT_ISA_AVX512", "SPECRT_ISA_AVX512_BF16", "SPECRT_ISA_AVX512_VNNI")]
-        if path.suffix == ".cpp" and re.search(r"\b_mm(256|512)_\w+\(", text) and not begins:
-            found.append(f"{rel}: AVX2/AVX-512 intrinsics outside a target region")
+                  if b not in ("SPECRT_ISA_AVX2", "SPECRT_ISA_AVX512", "SPECRT_ISA_AVX512_BF16", "SPECRT_ISA_AVX512_VNNI",
+                               "SPECRT_ISA_AMX_BF16")]
+        if path.suffix == ".cpp" and re.search(r"\b(_mm(256|512)|_tile)_\w+\(", text) and not begins:
+            found.append(f"{rel}: AVX2/AVX-512/AMX intrinsics outside a target region")
     assert not found, found

@@ -20,11 +20,38 @@
 
 #include "cpu/race.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace specrt {
 namespace {
 
 constexpr int kUnresolved = -1;
 std::atomic<int> g_isa{kUnresolved};
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// AMX-TILE + AMX-BF16 (CPUID 7.0 EDX bits 24, 22), their state enabled in XCR0 (bits 17, 18), and,
+// on Linux, the tile data granted to this process (without it the first tile load faults).
+bool amx_bf16_usable() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE: xgetbv works
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
+#else
+  return false;
+#endif
+}
+#endif
 
 bool parse_isa(const std::string& name, CpuIsa& isa) {
   if (name == "scalar") isa = CpuIsa::kScalar;
@@ -71,7 +98,7 @@ std::vector<std::string> cpu_features_op() {
       {f.avx2, "avx2"},         {f.fma, "fma"},           {f.f16c, "f16c"},
       {f.avx512f, "avx512f"},   {f.avx512bw, "avx512bw"}, {f.avx512vl, "avx512vl"},
       {f.avx512dq, "avx512dq"}, {f.avx512vnni, "avx512vnni"}, {f.avx512bf16, "avx512bf16"},
-      {f.amd, "amd"}};
+      {f.amx_bf16, "amx_bf16"}, {f.amd, "amd"}};
   std::vector<std::string> out;
   for (const auto& [on, name] : all)
     if (on) out.emplace_back(name);
@@ -101,6 +128,7 @@ const CpuFeatures& cpu_features() {
     f.avx512vnni = __builtin_cpu_supports("avx512vnni");
     f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     f.amd = __builtin_cpu_is("amd");
+    f.amx_bf16 = amx_bf16_usable();
 #endif
     return f;
   }();

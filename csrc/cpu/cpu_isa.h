@@ -15,6 +15,9 @@ struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
   bool avx512vnni = false, avx512bf16 = false;
+  // Intel AMX tiles with BF16 multiplies, usable: the CPU has them, the OS saves their state, and
+  // the process was granted their data (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked at detection)
+  bool amx_bf16 = false;
   bool amd = false;  // vendor: the attention kernel's preferred level differs (attention_cpu.cpp)
 };
 

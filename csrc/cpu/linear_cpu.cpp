@@ -1,6 +1,6 @@
 // Torch glue of the small-M linear kernel: run-time ISA choice, threading over
 // output rows (each row whole on one thread: thread count changes nothing), and
-// the fp32/bf16 plumbing. The kernels are linear_{scalar,avx2,avx512,avx512bf16}.cpp.
+// the fp32/bf16 plumbing. The kernels are linear_{scalar,avx2,avx512,avx512bf16,amx}.cpp.
 #include "cpu/linear_cpu.h"
 
 #include "cpu/cpu_isa.h"
@@ -12,25 +12,33 @@
 namespace specrt {
 namespace {
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16"};
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512", "avx512bf16", "amx"};
 
-// The best path the instruction-set ceiling allows (cpu_isa.h); AVX-512 BF16 where the CPU has it.
+// The best path the instruction-set ceiling allows (cpu_isa.h); AVX-512 BF16, then AMX, where the CPU has them.
 int best_isa() {
   switch (cpu_isa()) {
-    case CpuIsa::kAvx512: return cpu_features().avx512bf16 ? kAvx512Bf16 : kAvx512;
+    case CpuIsa::kAvx512:
+      if (!cpu_features().avx512bf16) return kAvx512;
+      return cpu_features().amx_bf16 ? kAmx : kAvx512Bf16;
     case CpuIsa::kAvx2: return kAvx2;
     default: return kScalar;
   }
 }
 
-std::atomic<int> g_isa_cap{kAvx512Bf16};
+std::atomic<int> g_isa_cap{kAmx};
 
 using RowsFn = void (*)(const linear::Problem&, int64_t, int64_t);
 
-RowsFn rows_fn() {
+// The machine fixes the AMX order (linear_kernel.h), whatever the ceiling or the cap: below AMX
+// its portable twin runs, so SPECRT_CPU_ISA changes speed, never bits.
+bool amx_order(const linear::Problem& p) { return linear::amx_order(p, cpu_features().amx_bf16); }
+
+RowsFn rows_fn(const linear::Problem& p) {
   const int isa = std::min(best_isa(), g_isa_cap.load(std::memory_order_relaxed));
+  if (amx_order(p)) return isa == kAmx ? &linear::linear_rows_amx : &linear::linear_rows_amx_order_portable;
   switch (isa) {
+    case kAmx:
     case kAvx512Bf16: return &linear::linear_rows_avx512bf16;
     case kAvx512: return &linear::linear_rows_avx512;
     case kAvx2: return &linear::linear_rows_avx2;
@@ -48,12 +56,12 @@ std::vector<std::string> linear_isa_names() {
 
 std::string set_linear_isa(const std::string& name) {
   const std::string prev = kIsaNames[std::min(best_isa(), g_isa_cap.load())];
-  int cap = kAvx512Bf16;
+  int cap = kAmx;
   if (!name.empty()) {
     cap = -1;
-    for (int i = 0; i <= kAvx512Bf16; ++i)
+    for (int i = 0; i <= kAmx; ++i)
       if (name == kIsaNames[i]) cap = i;
-    TORCH_CHECK_VALUE(cap >= 0, "isa must be one of scalar, avx2, avx512, avx512bf16 or \"\", got '", name, "'");
+    TORCH_CHECK_VALUE(cap >= 0, "isa must be one of scalar, avx2, avx512, avx512bf16, amx or \"\", got '", name, "'");
     TORCH_CHECK_VALUE(cap <= best_isa(), "isa '", name, "' is not supported by this CPU (best: ",
                       kIsaNames[best_isa()], ")");
   }
@@ -85,9 +93,15 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
   p.y = y.data_ptr();
   p.y_bf16 = y.scalar_type() == at::kBFloat16;
 
-  const RowsFn fn = rows_fn();
-  // blocks of 4 output rows (the widest tile); ~64K multiply-adds per task at least
-  constexpr int64_t kBlock = 4;
+  const RowsFn fn = rows_fn(p);
+  at::Tensor x_tiles;
+  if (fn == &linear::linear_rows_amx) {
+    x_tiles = at::empty({linear::x_tile_elems(M, K)}, at::TensorOptions().dtype(at::kShort));
+    linear::pack_x_tiles(p, reinterpret_cast<uint16_t*>(x_tiles.data_ptr<int16_t>()));
+    p.x_tiles = reinterpret_cast<const uint16_t*>(x_tiles.data_ptr<int16_t>());
+  }
+  // blocks of output rows as high as the widest tile (4, or 16 on AMX); ~64K multiply-adds per task at least
+  const int64_t kBlock = fn == &linear::linear_rows_amx ? 16 : 4;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K * M * kBlock));
   parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {

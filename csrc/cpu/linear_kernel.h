@@ -4,7 +4,7 @@
 //   y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]), fp32 accumulation.
 //
 // The reduction order is fixed per output element, whatever M, the tiling or the
-// thread count ("batch invariance"), and identical on every ISA:
+// thread count ("batch invariance"), and identical on every ISA of one machine:
 //   * fp32 family (any weight format except bf16 x bf16): lane l of 16 accumulates
 //     acc_l = fma(w[k], x[k], acc_l) for k = 16 c + l, c = 0, 1, ... (elements past K
 //     are zero on both sides). The weight element is first dequantized to fp32
@@ -13,14 +13,18 @@
 //   * bf16 x bf16 (vdpbf16ps order): lane l accumulates per 32-element chunk c
 //     acc_l = fma(w[k+2l], x[k+2l], fma(w[k+2l+1], x[k+2l+1], acc_l)), k = 32 c
 //     (odd element first, as VDPBF16PS does; its denormal flushing is not emulated).
-//   * then the 16 lanes are summed as a fixed tree: s8[i] = a[i] + a[i+8],
+//   * in both, the 16 lanes are then summed as a fixed tree into s: s8[i] = a[i] + a[i+8],
 //     s4[i] = s8[i] + s8[i+4], s2[i] = s4[i] + s4[i+2], s = s2[0] + s2[1];
-//     y = s + bias (fp32), rounded to bf16 (nearest-even) for a bf16 output.
+//   * bf16 x bf16 on a CPU with usable AMX-BF16 and K even (the tdpbf16ps order, measured on
+//     Sapphire Rapids: bench/results/2026-12-06-xeon/amx-order.txt): per 32-element chunk c,
+//     e = (((w[k]x[k] + w[k+2]x[k+2]) + ...) + w[k+30]x[k+30]) over the even elements
+//     k = 32 c, 32 c + 2, ..., o the same over the odd ones, s = s + (e + o), every step
+//     rounded to fp32 (elements past K are zero; AMX's denormal flushing is not emulated).
+//     The machine fixes the order, not the path: AMX tiles (linear_amx.cpp) serve every M,
+//     and under a lowered ISA cap the portable twin (linear_amx_order.cpp) keeps its bits.
+// Then y = s + bias (fp32), rounded to bf16 (nearest-even) for a bf16 output.
 // Each output row is computed whole by one thread, so threads change nothing.
-//
-// Not here yet: an Intel AMX-BF16 tile path (TDPBF16PS). Its accumulation order inside a
-// tile differs from vdpbf16ps, so it would need its own fixed order, emulated by the other
-// ISAs to stay bit-identical, and an AMX machine to test on.
+
 #pragma once
 
 #include <cstdint>
@@ -53,7 +57,11 @@ struct Problem {
   const float* bias = nullptr;   // [N] or null
   void* y = nullptr;             // [M, N] contiguous: float, or bf16 (uint16) when y_bf16
   bool y_bf16 = false;
+  const uint16_t* x_tiles = nullptr;  // the AMX path's x, packed by pack_x_tiles
 };
+
+// The AMX order applies: bf16 x bf16 with K even, on a CPU whose AMX-BF16 is usable.
+inline bool amx_order(const Problem& p, bool amx_usable) { return amx_usable && p.x_bf16 && p.K % 2 == 0; }
 
 // Compute output columns [n0, n1) of y for all M rows. All variants give
 // bit-identical results (up to vdpbf16ps' denormal flushing).
@@ -62,5 +70,12 @@ void linear_rows_avx2(const Problem& p, int64_t n0, int64_t n1);    // AVX2 + FM
 void linear_rows_avx512(const Problem& p, int64_t n0, int64_t n1);  // AVX-512 F/BW/VL + FMA + F16C
 // AVX-512 + AVX512-BF16: vdpbf16ps for bf16 x bf16, else the avx512 path
 void linear_rows_avx512bf16(const Problem& p, int64_t n0, int64_t n1);
+
+// The AMX order (bf16 x bf16, K even). x is first packed as AMX B tiles: per block of 16 rows and
+// chunk of 32 elements, [16 pairs][16 rows][2] bf16, zero past M and K (x_tile_elems of them).
+int64_t x_tile_elems(int64_t M, int64_t K);
+void pack_x_tiles(const Problem& p, uint16_t* out);
+void linear_rows_amx(const Problem& p, int64_t n0, int64_t n1);              // needs p.x_tiles
+void linear_rows_amx_order_portable(const Problem& p, int64_t n0, int64_t n1);  // its portable twin
 
 }  // namespace specrt::linear

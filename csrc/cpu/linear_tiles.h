@@ -155,19 +155,7 @@ struct Prefetch {
   }
 };
 
-// ---- output: y = s + bias, stored as fp32 or rounded to bf16 (nearest-even, NaN kept)
-static inline void store_out(const Problem& p, int64_t m, int64_t n, float s) {
-  if (p.bias) s = s + p.bias[n];
-  if (!p.y_bf16) {
-    static_cast<float*>(p.y)[m * p.N + n] = s;
-    return;
-  }
-  uint32_t u;
-  __builtin_memcpy(&u, &s, 4);
-  const uint16_t h = (s != s) ? static_cast<uint16_t>(0x7FC0)
-                              : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  static_cast<uint16_t*>(p.y)[m * p.N + n] = h;
-}
+#include "cpu/linear_store.h"  // store_out
 
 #ifndef SPECRT_LINEAR_DOT_ONLY
 // ---- fp32 family: NR weight rows x MR x rows, 16-element chunks

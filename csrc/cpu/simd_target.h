@@ -1,7 +1,7 @@
 // csrc/cpu/simd_target.h — the one way a CPU kernel is compiled for an instruction set the build
 // does not assume (no -m or -march flags anywhere: the kernels pick a path at run time,
 // csrc/cpu/cpu_isa.h). Code between SPECRT_TARGET_BEGIN(isa) and SPECRT_TARGET_END is compiled
-// for `isa`, one of the sets below (one per cpu_isa level, plus the two optional extensions).
+// for `isa`, one of the sets below (one per cpu_isa level, plus the optional extensions).
 // Include every header BEFORE opening a region: shared inline code (the standard library, our own
 // headers) then stays at the baseline ISA, so the linker can never keep a wider copy of it for a
 // baseline caller, as per-file -m flags would allow. Per-ISA code textually included inside a
@@ -16,6 +16,7 @@
 #define SPECRT_ISA_AVX512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq"
 #define SPECRT_ISA_AVX512_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"
 #define SPECRT_ISA_AVX512_VNNI "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
+#define SPECRT_ISA_AMX_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16"
 
 #define SPECRT_PRAGMA(...) _Pragma(#__VA_ARGS__)
 #if defined(__clang__)

@@ -77,12 +77,14 @@ def linear_dynamic_isa() -> str:
 
 def linear_isa_names() -> list[str]:
     """ISAs the linear kernel can use on this CPU under the ``SPECRT_CPU_ISA`` ceiling, best first
-    (e.g. ["avx512bf16", "avx512", "avx2", "scalar"])."""
+    (e.g. ["amx", "avx512bf16", "avx512", "avx2", "scalar"])."""
     return list(torch.ops.specrt.linear_isa_names())
 
 
 def set_linear_isa(name: str) -> str:
     """Cap the linear kernel's ISA (all give identical bits; for tests and benchmarks); "" = best.
+    On an AMX machine bf16 x bf16 keeps the AMX order under any cap or SPECRT_CPU_ISA (its portable
+    twin runs below "amx"), so capping there measures the twin, not the vdpbf16ps kernels.
 
     Returns: the previous ISA name."""
     return torch.ops.specrt.set_linear_isa(str(name))

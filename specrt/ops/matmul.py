@@ -35,8 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Built for decode and verification (a few rows): every weight row is streamed
     once for all rows of x, with fp32 accumulation in a fixed order per output
     (csrc/cpu/linear_kernel.h), the same for any row count, thread count and ISA
-    (AVX-512-BF16 / AVX-512 / AVX2 / scalar). bf16 x with bf16 weights accumulates
-    in the vdpbf16ps order; other bf16 x is widened to fp32 exactly.
+    (AMX / AVX-512-BF16 / AVX-512 / AVX2 / scalar). bf16 x with bf16 weights accumulates
+    in the tdpbf16ps order on CPUs with usable AMX-BF16 (K even; AMX tiles serve every row
+    count), else in the vdpbf16ps order; other bf16 x is widened to fp32 exactly.
 
     Shape: x [..., K] float32 or bfloat16; weight [N, K] float32 or bfloat16;
     bias [N] (any float dtype) or None.

@@ -16,7 +16,8 @@ import torch
 
 # the linear ops' references (float and quantized) live in their own module; re-exported here
 from specrt.ops.reference_linear import (QUANT_GROUP, dequantize_weight, interleave_quant_weight,  # noqa: F401
-                                         linear, quant_linear, quant_linear_dynamic, quantize_activations,
+                                         linear, linear_amx_order, quant_linear, quant_linear_dynamic,
+                                         quantize_activations,
                                          unpack_q4)
 # the cache and decoder-layer ops' references (KV copies and writes, paged attention, fused ops)
 from specrt.ops.reference_layers import (copy_blocks, copy_slots, paged_attention, rms_norm,  # noqa: F401

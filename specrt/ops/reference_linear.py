@@ -139,3 +139,28 @@ def quant_linear_dynamic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def linear_amx_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """ops.linear bit for bit for bf16 x and bf16 weight [N, K] (K even) on a CPU with usable AMX-BF16,
+    in the tdpbf16ps order of csrc/cpu/linear_kernel.h: per chunk of 32 features, the even products
+    and the odd ones summed in two fp32 chains from zero, then s = s + (e + o); + bias; x's dtype out
+    (out_dtype=torch.float32 keeps the fp32 sums, for tests that compare every bit of them).
+    (A bf16 product is exact in fp32, so each step is one rounding. Denormals are not flushed.)"""
+    x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+    w = weight.float()  # [N, K]
+    k = x2.shape[1]
+    if k % 2:
+        raise ValueError(f"x's last dim must be even for the AMX order, got {k}")
+    s = torch.zeros(x2.shape[0], w.shape[0])  # [M, N]
+    for k0 in range(0, k, 32):
+        e = torch.zeros_like(s)
+        o = torch.zeros_like(s)
+        for j in range(k0, min(k, k0 + 32), 2):
+            e = e + x2[:, j, None] * w[None, :, j]
+            o = o + x2[:, j + 1, None] * w[None, :, j + 1]
+        s = s + (e + o)
+    if bias is not None:
+        s = s + bias.float()
+    return s.to(out_dtype or x.dtype).reshape(*x.shape[:-1], -1)
