@@ -71,6 +71,15 @@ void store_tile(const Problem& p, const float (*c)[16], int64_t n, int rows, int
     _tile_loadd(a, (w), ldw);    \
     _tile_dpbf16ps(t, a, b);     \
   } while (0)
+// every C tile of T: weight tile register a (rows `step` elements apart from wc), x tile register b
+#define SPECRT_DP_ALL(a, b, wc)                                \
+  do {                                                         \
+    const uint16_t* w0 = (wc);                                 \
+    SPECRT_DP(0, a, b, w0);                                    \
+    if constexpr (T > 1) SPECRT_DP(1, a, b, w0 + step);        \
+    if constexpr (T > 2) SPECRT_DP(2, a, b, w0 + 2 * step);    \
+    if constexpr (T > 3) SPECRT_DP(3, a, b, w0 + 3 * step);    \
+  } while (0)
 
 // T C tiles: weight rows [n, n + 16 T) (the last tile `rows` high), x rows [m0, m0 + mlen).
 // While they run, the next `ahead` bytes of weights are requested into L2, spread over the chunks:
@@ -88,19 +97,11 @@ void tiles(const Problem& p, const uint16_t* xb, int64_t n, int rows, int64_t m0
   for (int64_t c = 0; c < full; ++c) {
     for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pf + c * pf_step + b, _MM_HINT_T1);
     _tile_loadd(5, xb + c * 512, 64);
-    const uint16_t* wc = w + 32 * c;
-    SPECRT_DP(0, 4, 5, wc);
-    if constexpr (T > 1) SPECRT_DP(1, 4, 5, wc + step);
-    if constexpr (T > 2) SPECRT_DP(2, 4, 5, wc + 2 * step);
-    if constexpr (T > 3) SPECRT_DP(3, 4, 5, wc + 3 * step);
+    SPECRT_DP_ALL(4, 5, w + 32 * c);
   }
   if (K % 32) {
     _tile_loadd(7, xb + full * 512, 64);
-    const uint16_t* wc = w + 32 * full;
-    SPECRT_DP(0, 6, 7, wc);
-    if constexpr (T > 1) SPECRT_DP(1, 6, 7, wc + step);
-    if constexpr (T > 2) SPECRT_DP(2, 6, 7, wc + 2 * step);
-    if constexpr (T > 3) SPECRT_DP(3, 6, 7, wc + 3 * step);
+    SPECRT_DP_ALL(6, 7, w + 32 * full);
   }
   alignas(64) float c[4][16][16];
   _tile_stored(0, c[0], 64);
@@ -110,6 +111,7 @@ void tiles(const Problem& p, const uint16_t* xb, int64_t n, int rows, int64_t m0
   for (int t = 0; t < T; ++t) store_tile(p, c[t], n + 16 * t, t == T - 1 ? rows : 16, m0, mlen);
 }
 
+#undef SPECRT_DP_ALL
 #undef SPECRT_DP
 
 }  // namespace

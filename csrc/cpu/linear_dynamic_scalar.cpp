@@ -21,16 +21,9 @@ int32_t wu(const DynProblem& p, int64_t n, int64_t g, int k) {
   return k < 16 ? (b & 0xF) : (b >> 4);
 }
 
-void store(const DynProblem& p, int64_t m, int64_t n, float y) {
-  if (p.bias) y = y + p.bias[n];
-  if (!p.y_bf16) {
-    static_cast<float*>(p.y)[m * p.N + n] = y;
-    return;
-  }
-  const uint32_t u = f_bits(y);
-  static_cast<uint16_t*>(p.y)[m * p.N + n] =
-      y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "cpu/linear_store.h"  // store_out
+
+void store(const DynProblem& p, int64_t m, int64_t n, float y) { store_out(p, m, n, y); }
 
 }  // namespace
 

@@ -7,18 +7,9 @@
 
 constexpr bool is_q4(WeightKind k) { return k == WeightKind::kQ4_0 || k == WeightKind::kQ4_1; }
 
-// y[m, n] = y (+ bias), as float or round-to-nearest-even bf16.
-inline void store(const DynProblem& p, int64_t m, int64_t n, float y) {
-  if (p.bias) y = y + p.bias[n];
-  if (!p.y_bf16) {
-    static_cast<float*>(p.y)[m * p.N + n] = y;
-    return;
-  }
-  uint32_t u;
-  __builtin_memcpy(&u, &y, 4);
-  static_cast<uint16_t*>(p.y)[m * p.N + n] =
-      y != y ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "cpu/linear_store.h"  // store_out: y[m, n] = y (+ bias), as float or round-to-nearest-even bf16
+
+inline void store(const DynProblem& p, int64_t m, int64_t n, float y) { store_out(p, m, n, y); }
 
 // Output columns [n0, n1) of every x row: tiles of kMR x rows (the remainder in one smaller tile),
 // kNRFew weight rows at a time while M <= 2 (more weight rows in flight when few x rows share
