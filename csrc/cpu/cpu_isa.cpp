@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "cpu/race.h"
+#include "cpu/simd_target.h"  // SPECRT_AMX_BUILD
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
@@ -128,7 +129,7 @@ const CpuFeatures& cpu_features() {
     f.avx512vnni = __builtin_cpu_supports("avx512vnni");
     f.avx512bf16 = __builtin_cpu_supports("avx512bf16");
     f.amd = __builtin_cpu_is("amd");
-    f.amx_bf16 = amx_bf16_usable();
+    f.amx_bf16 = SPECRT_AMX_BUILD && amx_bf16_usable();
 #endif
     return f;
   }();

@@ -3,12 +3,14 @@
 // B operand packed by pack_x_tiles, so C tiles hold y^T [16 weight rows][16 x rows]. Up to 4 C
 // tiles (64 weight rows) share each x tile. Compiled in a SPECRT_ISA_AMX_BF16 region; called only
 // where cpu_features().amx_bf16 (the process holds the tile permission).
-#include <immintrin.h>
-
+#include <cstdlib>
 #include <cstring>
 
 #include "cpu/linear_kernel.h"
 #include "cpu/simd_target.h"
+
+#if SPECRT_AMX_BUILD
+#include <immintrin.h>
 
 SPECRT_TARGET_BEGIN(SPECRT_ISA_AMX_BF16)
 namespace specrt::linear {
@@ -157,3 +159,8 @@ void linear_rows_amx(const Problem& p, int64_t n0, int64_t n1) {
 
 }  // namespace specrt::linear
 SPECRT_TARGET_END
+#else
+namespace specrt::linear {
+void linear_rows_amx(const Problem&, int64_t, int64_t) { std::abort(); }  // unreachable: amx_bf16 is false
+}  // namespace specrt::linear
+#endif

@@ -17,6 +17,12 @@
 #define SPECRT_ISA_AVX512_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"
 #define SPECRT_ISA_AVX512_VNNI "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
 #define SPECRT_ISA_AMX_BF16 "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16"
+// AMX needs GCC 11 / clang 12; an older compiler builds without it (cpu_features().amx_bf16 stays false)
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define SPECRT_AMX_BUILD 1
+#else
+#define SPECRT_AMX_BUILD 0
+#endif
 
 #define SPECRT_PRAGMA(...) _Pragma(#__VA_ARGS__)
 #if defined(__clang__)
@@ -32,4 +38,5 @@
 #endif
 #else
 #define SPECRT_X86_SIMD 0
+#define SPECRT_AMX_BUILD 0
 #endif
