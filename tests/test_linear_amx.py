@@ -4,7 +4,7 @@ the path (tiles, or the portable twin under a lowered ISA cap), the row count or
 
 Properties proven here (on AMX machines; elsewhere the order does not apply and these skip):
 - the tile path equals reference.linear_amx_order bit for bit, in its bf16 outputs and in every
-  bit of its fp32 sums: K a multiple of 32 or not, N not a multiple of 16 or 64, 1-40 rows, with
+  bit of its fp32 sums: K a multiple of 32 or not, N not a multiple of 16 or 64, 1-64 rows, with
   and without bias;
 - the comparison has power: a near miss of the order (one chain, not two) differs from the tiles;
 - every ISA cap gives the tile path's bits, and row i of M rows equals the 1-row result;
@@ -35,10 +35,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("n,k", [(49, 576), (64, 1536), (3, 30), (100, 96), (77, 70), (130, 2), (1031, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_tiles_equal_the_reference(n, k, bias):
-    w, x = rand(n, k, seed=1), rand(40, k, seed=2)
+    w, x = rand(n, k, seed=1), rand(64, k, seed=2)
     b = rand(n, seed=3, dtype=torch.float32) if bias else None
     want = reference.linear_amx_order(x, w, b)
-    for m in (1, 2, 5, 16, 17, 40):
+    for m in (1, 2, 5, 16, 17, 40, 64):  # whole and partial blocks of 16 x rows
         assert torch.equal(bits(ops.linear(x[:m], w, b)), bits(want[:m])), (n, k, m)
 
 

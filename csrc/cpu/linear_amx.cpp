@@ -45,6 +45,30 @@ void configure(int rows, int mlen, int tail) {
   _tile_loadconfig(&c);
 }
 
+// r[i] (16 x 32-bit lanes) -> r[j] holding the old r[0..15][j]: a 16 x 16 transpose in 64 shuffles
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0x88);
+      t[8 * i + j + 4] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // A C tile [rows][mlen] (y^T) out to y[m0.., n..]: column m is y's row m0 + m, 16 weight rows wide.
 // The same rule as store_out (linear_store.h): + bias in fp32, then bf16 nearest-even, NaN 0x7FC0.
 void store_tile(const Problem& p, const float (*c)[16], int64_t n, int rows, int64_t m0, int mlen) {
@@ -52,8 +76,13 @@ void store_tile(const Problem& p, const float (*c)[16], int64_t n, int rows, int
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(16));
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(keep, p.bias + n) : _mm512_setzero_ps();
+  __m512i t[16];
+  if (mlen == 16) {  // a whole tile: transposed in registers (a gather per x row otherwise)
+    for (int r = 0; r < 16; ++r) t[r] = _mm512_load_si512(c[r]);
+    transpose16(t);
+  }
   for (int m = 0; m < mlen; ++m) {
-    __m512 v = _mm512_i32gather_ps(column, &c[0][m], 4);
+    __m512 v = mlen == 16 ? _mm512_castsi512_ps(t[m]) : _mm512_i32gather_ps(column, &c[0][m], 4);
     if (p.bias) v = _mm512_add_ps(v, bias);
     if (!p.y_bf16) {
       _mm512_mask_storeu_ps(static_cast<float*>(p.y) + (m0 + m) * p.N + n, keep, v);
@@ -98,11 +127,11 @@ void tiles(const Problem& p, const uint16_t* xb, int64_t n, int rows, int64_t m0
   if constexpr (T > 3) _tile_zero(3);
   for (int64_t c = 0; c < full; ++c) {
     for (int64_t b = 0; b < pf_step; b += 64) _mm_prefetch(pf + c * pf_step + b, _MM_HINT_T1);
-    _tile_loadd(5, xb + c * 512, 64);
+    _tile_loadd(5, xb + c * 32 * mlen, 4 * mlen);
     SPECRT_DP_ALL(4, 5, w + 32 * c);
   }
   if (K % 32) {
-    _tile_loadd(7, xb + full * 512, 64);
+    _tile_loadd(7, xb + full * 32 * mlen, 4 * mlen);
     SPECRT_DP_ALL(6, 7, w + 32 * full);
   }
   alignas(64) float c[4][16][16];
@@ -118,6 +147,24 @@ void tiles(const Problem& p, const uint16_t* xb, int64_t n, int rows, int64_t m0
 
 }  // namespace
 }  // namespace amx_isa
+
+// Whole 16-row blocks and 32-element chunks by 16 x 16 transposes of x's bf16 pairs; the rest
+// (rows past the last whole block, K's last partial chunk) by the portable packer.
+void pack_x_tiles_amx(const Problem& p, uint16_t* out) {
+  const auto* x = static_cast<const uint16_t*>(p.x);
+  const int64_t chunks = (p.K + 31) / 32, full = p.K / 32, rows = p.M / 16 * 16;
+  for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    uint16_t* block = out + m0 / 16 * chunks * 512;
+    for (int64_t c = 0; c < full; ++c) {
+      __m512i r[16];
+      for (int m = 0; m < 16; ++m) r[m] = _mm512_loadu_si512(x + (m0 + m) * p.ldx + 32 * c);
+      amx_isa::transpose16(r);  // r[j]: pair j of the 16 rows
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(block + c * 512 + j * 32, r[j]);
+    }
+  }
+  if (full < chunks) pack_x_tiles(p, out, 0, rows, full);
+  pack_x_tiles(p, out, rows, p.M, 0);
+}
 
 // Weight rows in groups of 64 (4 C tiles), each group over every block of 16 x rows while it is
 // in cache; the tile shapes are reconfigured only when the block or the group's height changes.
@@ -161,6 +208,8 @@ void linear_rows_amx(const Problem& p, int64_t n0, int64_t n1) {
 SPECRT_TARGET_END
 #else
 namespace specrt::linear {
-void linear_rows_amx(const Problem&, int64_t, int64_t) { std::abort(); }  // unreachable: amx_bf16 is false
+// unreachable: amx_bf16 is false
+void pack_x_tiles_amx(const Problem&, uint16_t*) { std::abort(); }
+void linear_rows_amx(const Problem&, int64_t, int64_t) { std::abort(); }
 }  // namespace specrt::linear
 #endif

@@ -44,17 +44,15 @@ void linear_rows_amx_order_portable(const Problem& p, int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < p.M; ++m) amx_portable::store_out(p, m, n, amx_portable::dot(x + m * p.ldx, w + n * p.K, p.K));
 }
 
-int64_t x_tile_elems(int64_t M, int64_t K) { return (M + 15) / 16 * ((K + 31) / 32) * 512; }
-
-void pack_x_tiles(const Problem& p, uint16_t* out) {
+void pack_x_tiles(const Problem& p, uint16_t* out, int64_t m0, int64_t m1, int64_t c0) {
   const auto* x = static_cast<const uint16_t*>(p.x);
   const int64_t chunks = (p.K + 31) / 32;
-  std::memset(out, 0, sizeof(uint16_t) * x_tile_elems(p.M, p.K));
-  for (int64_t m = 0; m < p.M; ++m) {
-    uint16_t* block = out + (m / 16) * chunks * 512 + (m % 16) * 2;  // [chunk][pair][row][2]
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t b = m / 16, h = p.M - 16 * b < 16 ? p.M - 16 * b : 16;  // the block's rows
+    uint16_t* block = out + b * chunks * 512 + (m % 16) * 2;  // [chunk][pair][h rows][2]
     const uint16_t* row = x + m * p.ldx;
-    for (int64_t k = 0; k < p.K; k += 2) {
-      uint16_t* dst = block + (k / 32) * 512 + ((k % 32) / 2) * 32;
+    for (int64_t k = 32 * c0; k < p.K; k += 2) {
+      uint16_t* dst = block + (k / 32) * 32 * h + ((k % 32) / 2) * 2 * h;
       dst[0] = row[k];
       dst[1] = row[k + 1];
     }

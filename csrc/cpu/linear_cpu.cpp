@@ -97,7 +97,7 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
   at::Tensor x_tiles;
   if (fn == &linear::linear_rows_amx) {
     x_tiles = at::empty({linear::x_tile_elems(M, K)}, at::TensorOptions().dtype(at::kShort));
-    linear::pack_x_tiles(p, reinterpret_cast<uint16_t*>(x_tiles.data_ptr<int16_t>()));
+    linear::pack_x_tiles_amx(p, reinterpret_cast<uint16_t*>(x_tiles.data_ptr<int16_t>()));
     p.x_tiles = reinterpret_cast<const uint16_t*>(x_tiles.data_ptr<int16_t>());
   }
   // blocks of output rows as high as the widest tile (4, or 16 on AMX); ~64K multiply-adds per task at least

@@ -71,10 +71,14 @@ void linear_rows_avx512(const Problem& p, int64_t n0, int64_t n1);  // AVX-512 F
 // AVX-512 + AVX512-BF16: vdpbf16ps for bf16 x bf16, else the avx512 path
 void linear_rows_avx512bf16(const Problem& p, int64_t n0, int64_t n1);
 
-// The AMX order (bf16 x bf16, K even). x is first packed as AMX B tiles: per block of 16 rows and
-// chunk of 32 elements, [16 pairs][16 rows][2] bf16, zero past M and K (x_tile_elems of them).
-int64_t x_tile_elems(int64_t M, int64_t K);
-void pack_x_tiles(const Problem& p, uint16_t* out);
+// The AMX order (bf16 x bf16, K even). x is first packed as AMX B tiles: block b of x rows 16 b ..
+// (h = min(16, M - 16 b) of them) at b * chunks * 512 elements, its chunk c of 32 features at
+// c * 32 h, pair j at j * 2 h, row r at 2 r ([chunk][16 pairs][h rows][2] bf16). A tile reads rows
+// 4 h bytes apart and exactly the pairs and rows written, so nothing is zeroed. pack_x_tiles_amx
+// packs it all; pack_x_tiles rows [m0, m1) from chunk c0 on.
+inline int64_t x_tile_elems(int64_t M, int64_t K) { return (K + 31) / 32 * 32 * M; }
+void pack_x_tiles(const Problem& p, uint16_t* out, int64_t m0, int64_t m1, int64_t c0);
+void pack_x_tiles_amx(const Problem& p, uint16_t* out);
 void linear_rows_amx(const Problem& p, int64_t n0, int64_t n1);              // needs p.x_tiles
 void linear_rows_amx_order_portable(const Problem& p, int64_t n0, int64_t n1);  // its portable twin
 
