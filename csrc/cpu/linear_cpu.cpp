@@ -8,6 +8,8 @@
 #include "cpu/thread_pool.h"
 
 #include <atomic>
+#include <cstdint>
+#include <vector>
 
 namespace specrt {
 namespace {
@@ -33,6 +35,15 @@ using RowsFn = void (*)(const linear::Problem&, int64_t, int64_t);
 // The machine fixes the AMX order (linear_kernel.h), whatever the ceiling or the cap: below AMX
 // its portable twin runs, so SPECRT_CPU_ISA changes speed, never bits.
 bool amx_order(const linear::Problem& p) { return linear::amx_order(p, cpu_features().amx_bf16); }
+
+// The calling thread's AMX x-tile buffer, 64-byte aligned, grown as needed and kept: decode calls
+// it ~200 times a step, and workers read it only inside that call's parallel_for.
+uint16_t* x_tile_buffer(int64_t elems) {
+  thread_local std::vector<uint16_t> buf;
+  if (static_cast<int64_t>(buf.size()) < elems + 32) buf.resize(static_cast<size_t>(elems + 32));
+  const auto addr = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + ((64 - addr % 64) % 64) / 2;
+}
 
 RowsFn rows_fn(const linear::Problem& p) {
   const int isa = std::min(best_isa(), g_isa_cap.load(std::memory_order_relaxed));
@@ -94,11 +105,10 @@ at::Tensor small_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight, co
   p.y_bf16 = y.scalar_type() == at::kBFloat16;
 
   const RowsFn fn = rows_fn(p);
-  at::Tensor x_tiles;
   if (fn == &linear::linear_rows_amx) {
-    x_tiles = at::empty({linear::x_tile_elems(M, K)}, at::TensorOptions().dtype(at::kShort));
-    linear::pack_x_tiles_amx(p, reinterpret_cast<uint16_t*>(x_tiles.data_ptr<int16_t>()));
-    p.x_tiles = reinterpret_cast<const uint16_t*>(x_tiles.data_ptr<int16_t>());
+    uint16_t* tiles = x_tile_buffer(linear::x_tile_elems(M, K));
+    linear::pack_x_tiles_amx(p, tiles);
+    p.x_tiles = tiles;
   }
   // blocks of output rows as high as the widest tile (4, or 16 on AMX); ~64K multiply-adds per task at least
   const int64_t kBlock = fn == &linear::linear_rows_amx ? 16 : 4;
