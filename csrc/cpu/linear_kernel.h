@@ -15,8 +15,8 @@
 //     (odd element first, as VDPBF16PS does; its denormal flushing is not emulated).
 //   * in both, the 16 lanes are then summed as a fixed tree into s: s8[i] = a[i] + a[i+8],
 //     s4[i] = s8[i] + s8[i+4], s2[i] = s4[i] + s4[i+2], s = s2[0] + s2[1];
-//   * bf16 x bf16 on a CPU with usable AMX-BF16 and K even (the tdpbf16ps order, measured on
-//     Sapphire Rapids: bench/results/2026-12-06-xeon/amx-order.txt): per 32-element chunk c,
+//   * bf16 x bf16 on a CPU with usable AMX-BF16 and K even (the tdpbf16ps order, probed on
+//     an Emerald Rapids Xeon: bench/results/2026-12-06-xeon/amx-order.txt): per 32-element chunk c,
 //     e = (((w[k]x[k] + w[k+2]x[k+2]) + ...) + w[k+30]x[k+30]) over the even elements
 //     k = 32 c, 32 c + 2, ..., o the same over the odd ones, s = s + (e + o), every step
 //     rounded to fp32 (elements past K are zero; AMX's denormal flushing is not emulated).
